@@ -1,0 +1,1 @@
+"""SQL layer: table models and engine/session construction."""

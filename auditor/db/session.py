@@ -1,0 +1,43 @@
+"""Async engine and session factory for a database URL (SQLite file or PostgreSQL)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
+
+
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def create_engine(url: str, *, schema: str | None = None) -> AsyncEngine:
+    """Build the async engine. ``schema`` sets the PostgreSQL search_path (tests use a fresh one)."""
+    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    if is_sqlite(url):
+        database = make_url(url).database
+        if database and database != ":memory:":
+            Path(database).parent.mkdir(parents=True, exist_ok=True)
+        # One writer at a time; wait for the lock instead of failing with "database is locked".
+        kwargs["connect_args"] = {"timeout": 30}
+    elif schema is not None:
+        kwargs["connect_args"] = {"server_settings": {"search_path": schema}}
+    engine = create_async_engine(url, **kwargs)
+    if is_sqlite(url):
+        event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
+    return engine
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")
+    cursor.execute("PRAGMA journal_mode=WAL")
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker[AsyncSession]:
+    return async_sessionmaker(engine, expire_on_commit=False)

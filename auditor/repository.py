@@ -1,0 +1,185 @@
+"""SQL queries, one function per question, each taking the caller's session (the caller owns the
+transaction). No crypto and no HTTP here."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy import func, select, text
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from auditor.db.models import (
+    AccessLogEntry,
+    ApiKey,
+    LogCheckpoint,
+    LogLeaf,
+    Transcript,
+    TranscriptContent,
+)
+
+
+def utc(value: dt.datetime) -> dt.datetime:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
+
+
+# --- append lock -------------------------------------------------------------------------------
+
+
+async def lock_log(session: AsyncSession) -> None:
+    """Serialize log appends across processes on PostgreSQL (held until the transaction ends).
+
+    SQLite serializes writers itself; within one process the service also holds an asyncio lock.
+    """
+    if session.bind.dialect.name == "postgresql":
+        await session.execute(text("SELECT pg_advisory_xact_lock(7262010301)"))
+
+
+# --- transcripts and the per-tenant chain -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainHead:
+    sequence: int
+    """The sequence number the next transcript of the tenant gets."""
+    previous_digest: str | None
+
+
+async def chain_head(session: AsyncSession, tenant: str) -> ChainHead:
+    row = (
+        await session.execute(
+            select(Transcript.sequence, Transcript.envelope_digest)
+            .where(Transcript.tenant == tenant)
+            .order_by(Transcript.sequence.desc())
+            .limit(1)
+        )
+    ).first()
+    if row is None:
+        return ChainHead(0, None)
+    return ChainHead(row.sequence + 1, row.envelope_digest)
+
+
+async def add_transcript(session: AsyncSession, transcript: Transcript, content: TranscriptContent) -> None:
+    session.add(transcript)
+    await session.flush()
+    session.add(content)
+    await session.flush()
+
+
+async def get_transcript(session: AsyncSession, transcript_id: str) -> Transcript | None:
+    return await session.get(Transcript, transcript_id)
+
+
+async def get_content(session: AsyncSession, transcript_id: str) -> TranscriptContent | None:
+    return await session.get(TranscriptContent, transcript_id)
+
+
+@dataclass(frozen=True)
+class TranscriptFilter:
+    tenant: str
+    model: str | None = None
+    deterministic: bool | None = None
+    status: str | None = None
+    since: dt.datetime | None = None
+    until: dt.datetime | None = None
+
+
+async def list_transcripts(
+    session: AsyncSession, where: TranscriptFilter, *, after: str | None, limit: int, descending: bool
+) -> list[Transcript]:
+    """One page of a tenant's transcripts ordered by id (UUIDv7: request time); ``limit + 1`` rows
+    are fetched by the caller to learn whether there is more."""
+    query = select(Transcript).where(Transcript.tenant == where.tenant)
+    if where.model is not None:
+        query = query.where(Transcript.model == where.model)
+    if where.deterministic is not None:
+        query = query.where(Transcript.deterministic == where.deterministic)
+    if where.status is not None:
+        query = query.where(Transcript.status == where.status)
+    if where.since is not None:
+        query = query.where(Transcript.created_at >= where.since)
+    if where.until is not None:
+        query = query.where(Transcript.created_at < where.until)
+    if after is not None:
+        query = query.where(Transcript.id < after if descending else Transcript.id > after)
+    order = Transcript.id.desc() if descending else Transcript.id.asc()
+    return list((await session.scalars(query.order_by(order).limit(limit))).all())
+
+
+# --- the log ---------------------------------------------------------------------------------------
+
+
+async def log_size(session: AsyncSession) -> int:
+    return int((await session.scalar(select(func.count()).select_from(LogLeaf))) or 0)
+
+
+async def leaf_hashes(session: AsyncSession, start: int, end: int | None = None) -> list[bytes]:
+    """Leaf hashes with ``start <= index < end``, in index order."""
+    query = select(LogLeaf.index, LogLeaf.leaf_hash).where(LogLeaf.index >= start)
+    if end is not None:
+        query = query.where(LogLeaf.index < end)
+    rows = (await session.execute(query.order_by(LogLeaf.index))).all()
+    for offset, row in enumerate(rows):
+        if row.index != start + offset:
+            raise RuntimeError(f"log leaves are not dense: expected index {start + offset}, found {row.index}")
+    return [bytes(row.leaf_hash) for row in rows]
+
+
+async def add_leaf(session: AsyncSession, leaf: LogLeaf) -> None:
+    session.add(leaf)
+    await session.flush()
+
+
+async def add_checkpoint(session: AsyncSession, checkpoint: LogCheckpoint) -> None:
+    session.add(checkpoint)
+    await session.flush()
+
+
+async def latest_checkpoint(session: AsyncSession) -> LogCheckpoint | None:
+    return await session.scalar(select(LogCheckpoint).order_by(LogCheckpoint.tree_size.desc()).limit(1))
+
+
+async def checkpoint_at(session: AsyncSession, tree_size: int) -> LogCheckpoint | None:
+    return await session.get(LogCheckpoint, tree_size)
+
+
+async def leaf_for_entry(session: AsyncSession, entry: bytes) -> LogLeaf | None:
+    return await session.scalar(select(LogLeaf).where(LogLeaf.entry == entry))
+
+
+# --- API keys ----------------------------------------------------------------------------------------
+
+
+async def add_api_key(session: AsyncSession, key: ApiKey) -> None:
+    session.add(key)
+    await session.flush()
+
+
+async def api_key_by_hash(session: AsyncSession, key_hash: str) -> ApiKey | None:
+    return await session.scalar(select(ApiKey).where(ApiKey.key_hash == key_hash))
+
+
+async def list_api_keys(session: AsyncSession, tenant: str | None = None) -> Sequence[ApiKey]:
+    query = select(ApiKey).order_by(ApiKey.created_at, ApiKey.id)
+    if tenant is not None:
+        query = query.where(ApiKey.tenant == tenant)
+    return (await session.scalars(query)).all()
+
+
+async def get_api_key(session: AsyncSession, key_id: str) -> ApiKey | None:
+    return await session.get(ApiKey, key_id)
+
+
+async def count_admin_keys(session: AsyncSession) -> int:
+    query = select(func.count()).select_from(ApiKey).where(ApiKey.role == "admin", ApiKey.revoked_at.is_(None))
+    return int((await session.scalar(query)) or 0)
+
+
+# --- access log ---------------------------------------------------------------------------------------
+
+
+async def add_access(session: AsyncSession, entry: AccessLogEntry) -> None:
+    session.add(entry)
+    await session.flush()

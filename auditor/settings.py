@@ -1,0 +1,99 @@
+"""Service settings: one frozen object, built once at the edge (CLI or test) and passed down.
+
+Every field can be set from the environment as ``VERBATIM_<FIELD>`` (upper case); the CLI flags
+override the environment. Nothing reads the environment after ``Settings.from_env`` returns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+ENV_PREFIX = "VERBATIM_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path = Path("data")
+    database_url: str | None = None
+    """SQLAlchemy async URL; ``None`` means ``sqlite+aiosqlite:///<data_dir>/verbatim.db``."""
+    model: str = "default"
+    """``default`` (the SmolLM2 GGUF), a local Hugging Face model directory or a .gguf file."""
+    device: str = "auto"
+    deterministic_default: bool = True
+    """Value of the ``deterministic`` extension field when a request leaves it out."""
+    max_body_bytes: int = 1_048_576
+    max_prompt_tokens: int = 4096
+    max_tokens_limit: int = 4096
+    rate_limit_per_second: float = 20.0
+    rate_limit_burst: int = 60
+    log_level: str = "INFO"
+    bootstrap_admin: bool = True
+    """On first start with no admin key, create one and print it once."""
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``EngineConfig`` keyword arguments (W, G, mode, ...)."""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port < 65536:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+        if self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:
+            raise ValueError(
+                f"rate limit must be positive, got {self.rate_limit_per_second}/s burst {self.rate_limit_burst}"
+            )
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'verbatim.db').resolve()}"
+
+    @property
+    def keys_dir(self) -> Path:
+        return self.data_dir / "keys"
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "Settings":
+        """Build from ``VERBATIM_*`` variables, then apply non-None ``overrides`` (CLI flags)."""
+        values: dict[str, Any] = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "engine_options":
+                continue
+            raw = env.get(ENV_PREFIX + f.name.upper())
+            if raw is not None:
+                values[f.name] = _coerce(f.name, raw, type(getattr(cls(), f.name)))
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown settings: {sorted(unknown)}")
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "data_dir" in values:
+            values["data_dir"] = Path(values["data_dir"])
+        return cls(**values)
+
+
+def _coerce(name: str, raw: str, kind: type) -> Any:
+    if kind is bool:
+        lowered = raw.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a boolean, got {raw!r}")
+    if kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            raise ValueError(f"{ENV_PREFIX}{name.upper()} must be a number, got {raw!r}") from None
+    if kind is type(None):
+        return raw
+    if issubclass(kind, Path):
+        return Path(raw)
+    return raw
