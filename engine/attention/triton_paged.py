@@ -1,0 +1,327 @@
+"""Triton paged attention for CUDA (bf16/fp16/fp32 caches).
+
+Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, block_size, Hkv, D]`):
+
+* `prefill_attention` — PREFILL and VERIFY passes. No split-KV. Query tiles and key tiles are both
+  ABSOLUTELY aligned: a program owns query positions [t*BM, (t+1)*BM) of one row and one head, and
+  walks key tiles [j*BN, (j+1)*BN) for j = 0, 1, … in increasing order with an online softmax, masking
+  keys with position > query position. A query at position p therefore always sits in MMA row p % BM
+  and sees the same tiles with the same contents in the same order, whatever the window's start, the
+  row it sits in, or the batch. Tiles past a query's own position are fully masked for it and
+  bitwise neutral (alpha = exp2(0) = 1, p = 0). Tile shapes and warps are constants, never tuned per
+  shape, because the MMA instruction (and its accumulation order) follows the tile shape.
+
+      keys of row r:   | tile 0 | tile 1 | tile 2 | ...        (absolute, BN keys each)
+      queries of r:              |ctx_len ........ seq_len-1|  (this pass's tokens)
+      query tiles:     |  qt 0  |  qt 1  |  qt 2  | ...        (absolute, BM positions each)
+
+* `decode_attention` — DECODE passes (one query per row). Split-KV with a FIXED SPLIT SIZE (not a
+  fixed split count): split s covers keys [s*SPLIT, (s+1)*SPLIT) of the row, and the splits are merged
+  in increasing s. A row's result depends only on its own keys, so the kernel is batch-invariant too
+  (usable by the `batch_invariant` mode). The grid's split count is static (from the block-table
+  width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
+  The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
+
+Triton is imported lazily: this module is importable on a CPU-only machine; calling a kernel there
+raises (or runs under TRITON_INTERPRET=1 for tests).
+"""
+from __future__ import annotations
+
+import functools
+import math
+from types import ModuleType
+
+import torch
+
+# Canonical tile configuration of the no-split kernel. Changing any of these changes committed bits:
+# it is part of the runtime identity (see `KERNEL_ID`).
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
+KERNEL_ID = f"triton-paged-v1-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}"
+
+DECODE_BLOCK_N = 64
+DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
+_LOG2E = 1.4426950408889634
+
+
+@functools.cache
+def _kernels() -> tuple[ModuleType, object, object, object]:
+    """Compile-on-demand: import triton only when a kernel is first used."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _prefill_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr,
+        qsl_ptr, seq_lens_ptr, bt_ptr,
+        qk_scale,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_ot, stride_oh,
+        stride_bt,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        qt_rel = tl.program_id(1)
+        h = tl.program_id(2)
+        kvh = h // GROUP
+        q_start = tl.load(qsl_ptr + r)
+        q_len = tl.load(qsl_ptr + r + 1) - q_start
+        seq_len = tl.load(seq_lens_ptr + r)
+        ctx_len = seq_len - q_len
+        # absolute query tile of this program
+        qt = ctx_len // BLOCK_M + qt_rel
+        pos = qt * BLOCK_M + tl.arange(0, BLOCK_M)            # [BM] absolute query positions
+        q_valid = (pos >= ctx_len) & (pos < seq_len)
+        tok = q_start + (pos - ctx_len)                        # row of q / o for each position
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                    mask=q_valid[:, None] & d_mask[None, :], other=0.0)   # [BM, BD]
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        last_key = tl.minimum(qt * BLOCK_M + BLOCK_M, seq_len)  # exclusive bound of keys any row sees
+        # no key tile for a query tile past the row's end (its program writes nothing)
+        num_tiles = tl.cdiv(last_key, BLOCK_N) * (qt * BLOCK_M < seq_len).to(tl.int32)
+        for kt in range(0, num_tiles):
+            kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
+            k_valid = kpos < seq_len
+            blk = tl.load(bt_ptr + r * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
+            off = kpos % BLOCK_SIZE
+            kv_mask = k_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+            s = tl.dot(q, tl.trans(k)) * qk_scale                # [BM, BN], log2 domain
+            causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (invalid rows)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=q_valid[:, None] & d_mask[None, :])
+
+    @triton.jit
+    def _decode_split_kernel(
+        q_ptr, k_ptr, v_ptr, mid_o_ptr, mid_lse_ptr,
+        seq_lens_ptr, bt_ptr,
+        qk_scale,
+        stride_qt, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        stride_mo_t, stride_mo_h, stride_mo_s,
+        stride_ml_t, stride_ml_h,
+        BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        seq_len = tl.load(seq_lens_ptr + r)
+        start = sp * SPLIT
+        heads = kvh * GROUP + tl.arange(0, GROUP_PAD)          # [GP] query heads of this KV head
+        h_valid = tl.arange(0, GROUP_PAD) < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=h_valid[:, None] & d_mask[None, :], other=0.0)  # [GP, BD]
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+        end = tl.minimum(start + SPLIT, seq_len)
+        for k0 in range(start, end, BLOCK_N):
+            kpos = k0 + tl.arange(0, BLOCK_N)
+            k_valid = kpos < end
+            blk = tl.load(bt_ptr + r * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
+            off = kpos % BLOCK_SIZE
+            kv_mask = k_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale                # [GP, BN]
+            s = tl.where(k_valid[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        # an empty split (start >= seq_len) runs no tile: lse = -inf marks it and the merge skips it
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
+        tl.store(mid_o_ptr + r * stride_mo_t + heads[:, None] * stride_mo_h + sp * stride_mo_s
+                 + offs_d[None, :], out, mask=h_valid[:, None] & d_mask[None, :])
+        tl.store(mid_lse_ptr + r * stride_ml_t + heads * stride_ml_h + sp, lse, mask=h_valid)
+
+    @triton.jit
+    def _decode_merge_kernel(
+        mid_o_ptr, mid_lse_ptr, o_ptr,
+        stride_mo_t, stride_mo_h, stride_mo_s,
+        stride_ml_t, stride_ml_h,
+        stride_ot, stride_oh,
+        NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_mask = offs_d < HEAD_DIM
+        m = float("-inf")
+        l = 0.0
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        for sp in range(0, NUM_SPLITS):  # fixed increasing order
+            lse = tl.load(mid_lse_ptr + r * stride_ml_t + h * stride_ml_h + sp)
+            if lse > float("-inf"):
+                o = tl.load(mid_o_ptr + r * stride_mo_t + h * stride_mo_h + sp * stride_mo_s + offs_d,
+                            mask=d_mask, other=0.0)
+                m_new = tl.maximum(m, lse)
+                alpha = tl.exp2(m - m_new)
+                w = tl.exp2(lse - m_new)
+                acc = acc * alpha + o * w
+                l = l * alpha + w
+                m = m_new
+        tl.store(o_ptr + r * stride_ot + h * stride_oh + offs_d, (acc / l).to(o_ptr.dtype.element_ty),
+                 mask=d_mask)
+
+    return triton, _prefill_kernel, _decode_split_kernel, _decode_merge_kernel
+
+
+def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int, int]:
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"k/v cache must be [num_blocks, block_size, Hkv, D] and equal, got "
+                         f"{tuple(k_cache.shape)} / {tuple(v_cache.shape)}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads, cache_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if cache_dim != head_dim or num_heads % num_kv_heads:
+        raise ValueError(f"q heads {num_heads}x{head_dim} do not fit cache heads {num_kv_heads}x{cache_dim}")
+    if k_cache.stride(3) != 1 or v_cache.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("head_dim must be the contiguous dimension of q and the caches")
+    return block_size, num_kv_heads, num_heads // num_kv_heads
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_attention(
+    q: torch.Tensor,                  # [T, Hq, D]
+    k_cache: torch.Tensor,            # [num_blocks, block_size, Hkv, D] (this pass's K already written)
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,    # Int[R+1]
+    seq_lens: torch.Tensor,           # Int[R]
+    block_tables: torch.Tensor,       # Int[R, max_blocks]
+    scale: float,
+    max_query_len: int,
+    out: torch.Tensor | None = None,  # [T, Hq, D]
+) -> torch.Tensor:
+    """Causal attention of each query over its row's cache, window- and batch-invariant (module doc)."""
+    triton, kernel, _, _ = _kernels()
+    block_size, _, group = _check_cache(q, k_cache, v_cache)
+    num_rows = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    head_dim = q.shape[2]
+    # +1: a window that starts mid-tile spans one more absolute query tile than its length suggests
+    grid = (num_rows, triton.cdiv(max_query_len, PREFILL_BLOCK_M) + 1, q.shape[1])
+    kernel[grid](
+        q, k_cache, v_cache, out,
+        query_start_loc, seq_lens, block_tables,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
+    )
+    return out
+
+
+def decode_num_splits(max_kv_len: int, split_size: int = DECODE_SPLIT_SIZE) -> int:
+    """Static split count covering `max_kv_len` keys (e.g. block-table width * block_size)."""
+    return max(1, math.ceil(max_kv_len / split_size))
+
+
+class DecodeWorkspace:
+    """Preallocated split buffers, so a decode step (and its CUDA graph) allocates nothing."""
+
+    def __init__(self, max_rows: int, num_heads: int, head_dim: int, num_splits: int,
+                 device: torch.device | str) -> None:
+        self.num_splits = num_splits
+        self.mid_o = torch.empty(max_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+        self.mid_lse = torch.empty(max_rows, num_heads, num_splits, dtype=torch.float32, device=device)
+
+
+def decode_attention(
+    q: torch.Tensor,                  # [R, Hq, D], one query per row (the row's last position)
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,           # Int[R] keys visible, including this step's token
+    block_tables: torch.Tensor,       # Int[R, max_blocks]
+    scale: float,
+    workspace: DecodeWorkspace | None = None,
+    out: torch.Tensor | None = None,
+    split_size: int = DECODE_SPLIT_SIZE,
+) -> torch.Tensor:
+    """Split-KV decode attention with a fixed split size (module doc). Allocation-free with a workspace."""
+    triton, _, split_kernel, merge_kernel = _kernels()
+    if split_size % DECODE_BLOCK_N:
+        raise ValueError(f"split_size {split_size} must be a multiple of {DECODE_BLOCK_N}")
+    block_size, num_kv_heads, group = _check_cache(q, k_cache, v_cache)
+    num_rows, num_heads, head_dim = q.shape
+    if workspace is None:
+        num_splits = decode_num_splits(block_tables.shape[1] * block_size, split_size)
+        workspace = DecodeWorkspace(num_rows, num_heads, head_dim, num_splits, q.device)
+    num_splits = workspace.num_splits
+    if workspace.mid_o.shape[0] < num_rows or num_splits * split_size < block_tables.shape[1] * block_size:
+        raise ValueError(f"workspace for {workspace.mid_o.shape[0]} rows x {num_splits} splits cannot hold "
+                         f"{num_rows} rows x {block_tables.shape[1] * block_size} keys")
+    mid_o, mid_lse = workspace.mid_o, workspace.mid_lse
+    out = torch.empty_like(q) if out is None else out
+    block_d = max(16, _next_pow2(head_dim))
+    split_kernel[(num_rows, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, mid_o, mid_lse,
+        seq_lens, block_tables,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
+        num_warps=4, num_stages=2,
+    )
+    merge_kernel[(num_rows, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        num_warps=1,
+    )
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter this pass's K/V ([T, Hkv, D]) into their slots before attention (graph-capturable)."""
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

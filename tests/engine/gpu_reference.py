@@ -1,0 +1,53 @@
+"""Float64 reference for paged attention and random paged-cache fixtures (shared by the gpu tests)."""
+from __future__ import annotations
+
+import torch
+
+
+def make_paged_case(seq_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+                    block_size: int, dtype: torch.dtype, device: str | torch.device, seed: int = 0,
+                    spare_blocks: int = 3) -> dict:
+    """A random cache whose rows own shuffled (non-contiguous) blocks; block 0 stays the zero block."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    blocks_per_row = [(s + block_size - 1) // block_size for s in seq_lens]
+    max_blocks = max(blocks_per_row) + spare_blocks
+    num_blocks = 1 + sum(blocks_per_row)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for r, n in enumerate(blocks_per_row):
+        block_tables[r, :n] = torch.tensor(perm[:n], dtype=torch.int32)
+        perm = perm[n:]
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    k_cache[0].zero_()
+    v_cache[0].zero_()
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return {
+        "q": q.to(device), "k_cache": k_cache.to(device), "v_cache": v_cache.to(device),
+        "query_start_loc": qsl.to(device), "seq_lens": torch.tensor(seq_lens, dtype=torch.int32).to(device),
+        "block_tables": block_tables.to(device), "max_query_len": max(q_lens),
+    }
+
+
+def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """Causal paged attention in float64 on the CPU: query i of row r sits at seq_len - q_len + i."""
+    q, kc, vc = (t.detach().cpu().double() for t in (q, k_cache, v_cache))
+    qsl, sl, bt = query_start_loc.cpu().tolist(), seq_lens.cpu().tolist(), block_tables.cpu().long()
+    group = q.shape[1] // kc.shape[2]
+    out = torch.empty_like(q)
+    block_size = kc.shape[1]
+    for r, seq_len in enumerate(sl):
+        n_blocks = (seq_len + block_size - 1) // block_size
+        keys = kc[bt[r, :n_blocks]].reshape(-1, kc.shape[2], kc.shape[3])[:seq_len].repeat_interleave(group, 1)
+        vals = vc[bt[r, :n_blocks]].reshape(-1, vc.shape[2], vc.shape[3])[:seq_len].repeat_interleave(group, 1)
+        start, end = qsl[r], qsl[r + 1]
+        ctx = seq_len - (end - start)
+        for i in range(end - start):
+            p = ctx + i
+            s = torch.einsum("hd,khd->hk", q[start + i], keys[: p + 1]) * scale
+            out[start + i] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[: p + 1])
+    return out

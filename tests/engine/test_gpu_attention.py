@@ -1,0 +1,136 @@
+"""Triton paged attention vs a float64 reference, and its bitwise invariances (CUDA only)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import triton_paged as tp
+from tests.engine.gpu_reference import make_paged_case, reference_attention
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+DEVICE = "cuda"
+
+SHAPES = [  # (num_heads, num_kv_heads, head_dim, block_size)
+    (32, 8, 128, 16),   # Llama-3.1-8B
+    (9, 3, 64, 16),     # SmolLM2-135M
+    (4, 4, 64, 32),     # MHA
+]
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert not torch.isnan(out).any(), "NaN in kernel output"
+    return ((out.double().cpu() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)])
+def test_prefill_matches_reference(shape: tuple, dtype: torch.dtype, tol: float) -> None:
+    h, hkv, d, bs = shape
+    case = make_paged_case([200, 7, 64, 300], [200, 3, 33, 32], h, hkv, d, bs, dtype, DEVICE, seed=1)
+    out = torch.full_like(case["q"], float("nan"))
+    tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                         case["seq_lens"], case["block_tables"], d ** -0.5, case["max_query_len"], out=out)
+    ref = reference_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                              case["seq_lens"], case["block_tables"], d ** -0.5)
+    assert _rel_err(out, ref) < tol
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float32, 1e-3)])
+def test_decode_matches_reference(shape: tuple, dtype: torch.dtype, tol: float) -> None:
+    h, hkv, d, bs = shape
+    lens = [1, 17, 511, 512, 513, 2000]
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, DEVICE, seed=2)
+    out = torch.full_like(case["q"], float("nan"))
+    tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"],
+                        d ** -0.5, out=out)
+    ref = reference_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                              case["seq_lens"], case["block_tables"], d ** -0.5)
+    assert _rel_err(out, ref) < tol
+
+
+def _verify_window(case: dict, start: int, width: int, d: int) -> torch.Tensor:
+    """Attention output of queries [start, start+width) of row 0 when they form one verify row."""
+    q_all = case["q"]  # [seq_len, H, D]: one query per position of row 0
+    q = q_all[start:start + width].contiguous()
+    qsl = torch.tensor([0, width], dtype=torch.int32, device=DEVICE)
+    seq_lens = torch.tensor([start + width], dtype=torch.int32, device=DEVICE)
+    return tp.prefill_attention(q, case["k_cache"], case["v_cache"], qsl, seq_lens, case["block_tables"][:1],
+                                d ** -0.5, width)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_verify_window_start_invariance(shape: tuple) -> None:
+    """The same positions verified in windows starting at different offsets give bitwise equal outputs."""
+    h, hkv, d, bs = shape
+    n = 400
+    case = make_paged_case([n], [n], h, hkv, d, bs, torch.bfloat16, DEVICE, seed=3)
+    width = 32
+    base = _verify_window(case, 200, width, d)                    # positions 200..231
+    for start in (169, 185, 190, 199, 201, 213, 223):
+        other = _verify_window(case, start, width, d)
+        lo, hi = max(start, 200), min(start + width, 200 + width)
+        assert torch.equal(other[lo - start:hi - start], base[lo - 200:hi - 200]), f"window start {start}"
+    # and the whole prompt as one prefill gives the same bits for those positions
+    full = tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                                case["seq_lens"], case["block_tables"], d ** -0.5, n)
+    assert torch.equal(full[200:232], base)
+
+
+def test_verify_row_and_batch_invariance() -> None:
+    """A verify row gives the same bits alone, as row 5 of 8, or next to different co-rows."""
+    h, hkv, d, bs = SHAPES[0]
+    lens = [96 + 37 * i for i in range(8)]
+    case = make_paged_case(lens, [32] * 8, h, hkv, d, bs, torch.bfloat16, DEVICE, seed=4)
+    full = tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                                case["seq_lens"], case["block_tables"], d ** -0.5, 32)
+    r = 5
+    alone = tp.prefill_attention(case["q"][32 * r:32 * r + 32].contiguous(), case["k_cache"], case["v_cache"],
+                                 case["query_start_loc"][:2], case["seq_lens"][r:r + 1],
+                                 case["block_tables"][r:r + 1], d ** -0.5, 32)
+    assert torch.equal(alone, full[32 * r:32 * r + 32])
+
+
+def test_decode_batch_invariance() -> None:
+    """Fixed split SIZE: a row's decode output does not depend on the batch or on the table width."""
+    h, hkv, d, bs = SHAPES[0]
+    lens = [5, 700, 1500, 64, 2047, 333]
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, torch.bfloat16, DEVICE, seed=5, spare_blocks=40)
+    full = tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                               case["block_tables"], d ** -0.5)
+    for r in range(len(lens)):
+        n_blocks = (lens[r] + bs - 1) // bs
+        alone = tp.decode_attention(case["q"][r:r + 1], case["k_cache"], case["v_cache"],
+                                    case["seq_lens"][r:r + 1], case["block_tables"][r:r + 1, :n_blocks].contiguous(),
+                                    d ** -0.5)
+        assert torch.equal(alone, full[r:r + 1]), f"row {r}"
+
+
+def test_decode_cuda_graph_replay_allocates_nothing() -> None:
+    h, hkv, d, bs = SHAPES[0]
+    lens = [100, 900, 40]
+    case = make_paged_case(lens, [1] * 3, h, hkv, d, bs, torch.bfloat16, DEVICE, seed=6, spare_blocks=8)
+    ws = tp.DecodeWorkspace(3, h, d, tp.decode_num_splits(case["block_tables"].shape[1] * bs), DEVICE)
+    out = torch.empty_like(case["q"])
+
+    def step() -> None:
+        tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                            case["block_tables"], d ** -0.5, workspace=ws, out=out)
+
+    step()
+    eager = out.clone()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out.zero_()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert torch.equal(out, eager)
+    case["seq_lens"].add_(1)  # new lengths through the same graph
+    graph.replay()
+    step_ref = reference_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                                   case["seq_lens"], case["block_tables"], d ** -0.5)
+    assert _rel_err(out, step_ref) < 1e-2
