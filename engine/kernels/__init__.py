@@ -1,0 +1,30 @@
+"""Batch-invariant ops for mode="batch_invariant" (see ops.py for how a model uses them).
+
+Nothing here imports triton at import time; the Triton kernels load on the first CUDA call.
+"""
+
+from engine.kernels.attention import DEFAULT_SPLIT_SIZE, bi_paged_attention, query_layout
+from engine.kernels.ops import (
+    TORCH_OPS,
+    BatchInvariantOps,
+    Ops,
+    TorchOps,
+    bi_log_softmax,
+    bi_matmul,
+    bi_rms_norm,
+    bi_silu_mul,
+)
+
+__all__ = [
+    "DEFAULT_SPLIT_SIZE",
+    "TORCH_OPS",
+    "BatchInvariantOps",
+    "Ops",
+    "TorchOps",
+    "bi_log_softmax",
+    "bi_matmul",
+    "bi_paged_attention",
+    "bi_rms_norm",
+    "bi_silu_mul",
+    "query_layout",
+]
