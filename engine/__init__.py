@@ -1,0 +1,22 @@
+"""Verbatim engine: continuous batching with decode-verify-rollback (DVR) for bit-exact requests."""
+from engine.config import EngineConfig, Mode
+from engine.replay import ReplayRequest, ReplayResult
+from engine.sampling import SAMPLER_ID, SamplingParams
+from engine.sequence import RequestOutput
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> object:
+    """LLM / AsyncEngine import lazily so `import engine` stays light for the auditor."""
+    if name == "LLM":
+        from engine.llm import LLM
+        return LLM
+    if name == "AsyncEngine":
+        from engine.async_engine import AsyncEngine
+        return AsyncEngine
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "Mode", "SamplingParams", "RequestOutput", "ReplayRequest",
+           "ReplayResult", "SAMPLER_ID", "__version__"]

@@ -1,0 +1,93 @@
+"""Engine configuration: one frozen dataclass, validated once when built."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_MODEL = "default"
+
+
+class Mode(str, enum.Enum):
+    """How the engine makes deterministic requests reproducible."""
+
+    DVR = "dvr"                            # decode-verify-rollback for requests that ask for it
+    NONDETERMINISTIC = "nondeterministic"  # every request on the fast path, never verified
+    BATCH_INVARIANT = "batch_invariant"    # batch-invariant kernels everywhere (GPU issue)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """All engine options. Unknown options raise (dataclass), bad values raise ValueError.
+
+    KV budget: `num_kv_blocks` blocks of `block_size` token slots, shared by all sequences; the first
+    two blocks are reserved (block 0 = zero block for block-table padding, block 1 = scratch for dummy
+    tokens of verify passes), so usable slots = (num_kv_blocks - 2) * block_size.
+    """
+
+    model: str = DEFAULT_MODEL          # "default" (SmolLM2 GGUF), a HF model folder or a .gguf file
+    device: str = "auto"                # auto / cpu / cuda
+    dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on CUDA) / float32 / bfloat16 / float16
+    mode: Mode = Mode.DVR
+    window: int = 32                    # W: tokens per verify row
+    group: int = 8                      # G: rows per verify pass
+    block_size: int = 16
+    num_kv_blocks: int = 514            # KV budget (incl. the 2 reserved blocks)
+    max_num_seqs: int = 32              # max running sequences
+    max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
+    max_model_len: int | None = None    # defaults to the model's context length
+    attention_backend: str = "torch"
+    cuda_graphs: bool = False
+    fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
+    fault_seed: int = 0
+    num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
+    cache_dir: str | None = None        # where the loader caches dequantized weights
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        _check(self.device in ("auto", "cpu", "cuda"), "device", f"one of auto/cpu/cuda, got {self.device!r}")
+        _check(self.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        _check(self.window >= 2, "window", f"W must be >= 2, got {self.window}")
+        _check(self.group >= 1, "group", f"G must be >= 1, got {self.group}")
+        _check(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
+        _check(self.num_kv_blocks >= 3, "num_kv_blocks", f"must be >= 3 (2 reserved), got {self.num_kv_blocks}")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               f"must be >= 1, got {self.max_num_batched_tokens}")
+        _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
+        _check(self.attention_backend == "torch", "attention_backend",
+               f"only 'torch' exists on this build, got {self.attention_backend!r}")
+        _check(self.mode != Mode.BATCH_INVARIANT, "mode", "batch_invariant arrives with the GPU work; use dvr or nondeterministic")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               f"must be >= 2, got {self.max_model_len}")
+
+    @property
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    @property
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.float32 if self.resolved_device.type == "cpu" else torch.bfloat16
+        return _DTYPES[self.dtype]
+
+    @property
+    def usable_kv_blocks(self) -> int:
+        return self.num_kv_blocks - RESERVED_BLOCKS
+
+
+RESERVED_BLOCKS = 2
+ZERO_BLOCK = 0     # block-table padding points here; never written, stays zero
+SCRATCH_BLOCK = 1  # K/V of dummy tokens / dummy rows of verify passes land here; never read as a key
+
+_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+}
+
+
+def _check(ok: bool, field: str, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field}: {limit}")

@@ -1,0 +1,266 @@
+"""EngineCore: the step loop (plan -> run -> commit) shared by LLM and AsyncEngine.
+
+    step():  plan = scheduler.schedule()
+             run the plan's pass (prefill | decode | verify) on the model runner
+             sample with the counter-based sampler, commit / roll back, finish, free KV
+"""
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.config import EngineConfig, Mode
+from engine.model_runner import ModelRunner, ModelShape, PagedModel, Row
+from engine.sampling import SampleResult, SamplingParams, sample_rows, splitmix64
+from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
+from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
+from engine.verifier import RowKind, apply_dvr, apply_teacher
+
+Detokenize = Callable[[list[int]], str]
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0        # committed output tokens
+    steps: int = 0
+    prefill_passes: int = 0
+    decode_passes: int = 0
+    verify_passes: int = 0
+    rollbacks: int = 0
+    recomputed_tokens: int = 0
+    preemptions: int = 0
+    verify_seconds: float = 0.0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
+                 detokenize: Detokenize | None = None) -> None:
+        self.config = config
+        self.shape = shape
+        self.eos_ids = set(eos_ids)
+        self.detokenize = detokenize
+        self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)
+        self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+        self.scheduler = Scheduler(config, self.eos_ids)
+        self.seqs: dict[str, Sequence] = {}
+        self.totals = EngineStats()
+        self._arrivals = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; nothing is queued."""
+        if not prompt:
+            raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
+        params.validate()
+        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.shape.vocab_size}), got {bad[:5]}")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds the model's context of {self.max_model_len} tokens")
+        if len(prompt) > self.config.max_num_batched_tokens:
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens})")
+        slots = self.scheduler.blocks.num_usable * self.config.block_size
+        if total + self.config.window > slots:
+            raise ValueError(f"max_tokens: prompt + max_tokens + W = {total + self.config.window} exceeds the "
+                             f"KV budget of {slots} token slots (num_kv_blocks)")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        self.validate(prompt, params)
+        if request_id in self.seqs:
+            raise ValueError(f"request_id: {request_id!r} is already running")
+        dvr = params.deterministic and self.config.mode == Mode.DVR
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        seq = Sequence(request_id, list(prompt), params, seed, SeqKind.DVR if dvr else SeqKind.FAST,
+                       self._next_arrival())
+        return self._admit(seq)
+
+    def add_replay(self, replay_id: str, prompt: list[int], tokens: list[int], params: SamplingParams,
+                   windows: list[tuple[int, int]]) -> Sequence:
+        """Teacher-forced re-execution of recorded windows (shape checked by the caller)."""
+        self.validate(prompt, params)
+        assert params.seed is not None, "a replay needs the recorded seed"
+        seq = Sequence(replay_id, list(prompt), params, params.seed, SeqKind.REPLAY, self._next_arrival(),
+                       tokens=list(tokens), windows=list(windows), replay=ReplayState())
+        seq.pending_windows.extend(windows)
+        return self._admit(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.remove(seq)
+        seq.candidates.clear()
+        if not seq.is_finished:
+            seq.status = SeqStatus.FINISHED
+            seq.finish_reason = FinishReason.ABORT
+        return seq
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _next_arrival(self) -> int:
+        self._arrivals += 1
+        return self._arrivals
+
+    def _admit(self, seq: Sequence) -> Sequence:
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+        self.totals.prompt_tokens += len(seq.prompt)
+        return seq
+
+    # ---- stepping ----------------------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """One pass. Returns the sequences whose committed state changed (or finished)."""
+        plan = self.scheduler.schedule()
+        run = {StepKind.PREFILL: self._prefill, StepKind.DECODE: self._decode,
+               StepKind.VERIFY: self._verify, StepKind.IDLE: lambda p: []}[plan.kind]
+        touched = run(plan)
+        self.totals.steps += 1
+        for seq in touched:
+            if seq.is_finished:
+                self.scheduler.remove(seq)
+                self.seqs.pop(seq.request_id, None)
+        return touched
+
+    def _prefill(self, plan: Plan) -> list[Sequence]:
+        rows = [Row(it.tokens, 0, self._table(it.seq)) for it in plan.prefill]
+        logits = self.runner.prefill(rows)  # [R, vocab]
+        self.totals.prefill_passes += 1
+        idx = [i for i, it in enumerate(plan.prefill) if it.sample]
+        specs = [(plan.prefill[i].seq.params, plan.prefill[i].seq.seed, len(plan.prefill[i].tokens)) for i in idx]
+        results = dict(zip(idx, sample_rows(logits[idx], specs))) if idx else {}
+        for i, it in enumerate(plan.prefill):
+            it.seq.kv_len = len(it.tokens)
+            if i in results:
+                self._after_prefill(it.seq, results[i])
+        return [it.seq for it in plan.prefill]
+
+    def _after_prefill(self, seq: Sequence, res: SampleResult) -> None:
+        if seq.kind == SeqKind.REPLAY:
+            assert seq.replay is not None
+            seq.replay.predicted.append(res.token)
+            seq.replay.logprobs.append(res.logprob)
+            if not seq.pending_windows:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, FinishReason.STOP
+        elif seq.tokens:  # DVR rebuild after preemption: the canonical prefill must agree bit for bit
+            assert (res.token, res.logprob) == (seq.tokens[0], seq.logprobs[0]), f"rebuild of {seq.request_id}"
+        else:
+            self._commit(seq, res.token, res)
+
+    def _decode(self, plan: Plan) -> list[Sequence]:
+        for seq in plan.decode:
+            assert seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len, seq.num_tokens)
+        rows = [Row([s.last_token], s.kv_len, self._table(s)) for s in plan.decode]
+        logits = self.runner.decode(rows)  # [R, vocab]
+        self.totals.decode_passes += 1
+        results = sample_rows(logits, [(s.params, s.seed, s.num_tokens) for s in plan.decode])
+        touched = []
+        for seq, res in zip(plan.decode, results):
+            seq.kv_len += 1
+            if seq.kind == SeqKind.FAST:
+                self._commit(seq, res.token, res)
+                touched.append(seq)
+            else:
+                seq.candidates.append(self._maybe_fault(seq, res.token))
+                if candidate_done(seq, self.config.window, self.eos_ids):
+                    seq.ready_since = self.scheduler.step_index
+        return touched
+
+    def _verify(self, plan: Plan) -> list[Sequence]:
+        t0 = time.perf_counter()
+        logits = self.runner.verify([Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify])
+        for row, lg in zip(plan.verify, logits):  # lg: [W, vocab]
+            seq = row.seq
+            n = row.num_outputs
+            samples = sample_rows(lg[:n], [(seq.params, seq.seed, row.start_pos + 1 + i) for i in range(n)])
+            if row.kind == RowKind.TEACHER:
+                apply_teacher(row, samples)
+            else:
+                m = apply_dvr(row, samples, self._commit)
+                self.totals.rollbacks += int(m <= n - 1)
+                self.totals.recomputed_tokens += n - m
+                self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
+            seq.ready_since = None
+        self.totals.verify_passes += 1
+        self.totals.verify_seconds += time.perf_counter() - t0
+        return [r.seq for r in plan.verify]
+
+    def _commit(self, seq: Sequence, token: int, res: SampleResult) -> bool:
+        """Append one committed token; judge finish conditions on committed tokens only."""
+        seq.tokens.append(token)
+        seq.logprobs.append(res.logprob)
+        if res.top_logprobs is not None:
+            seq.top_logprobs.append(res.top_logprobs)
+        self.totals.generated_tokens += 1
+        reason = self._finish_reason(seq, token)
+        if reason is not None:
+            seq.status, seq.finish_reason = SeqStatus.FINISHED, reason
+            seq.candidates.clear()
+        return reason is not None
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids):
+            return FinishReason.STOP
+        if p.stop and self.detokenize is not None and _stop_at(self.detokenize(seq.tokens), p.stop) is not None:
+            return FinishReason.STOP
+        if len(seq.tokens) >= p.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _maybe_fault(self, seq: Sequence, token: int) -> int:
+        """Fault injection: replace a fast-path candidate by a different token at `fault_rate`."""
+        rate = self.config.fault_rate
+        if rate == 0.0:
+            return token
+        key = np.array([self.config.fault_seed, seq.seed, seq.num_tokens, seq.verify_passes], dtype=np.uint64)
+        h = int(splitmix64(np.array([int(np.bitwise_xor.reduce(splitmix64(key)))], dtype=np.uint64))[0])
+        if (h >> 11) * 2.0 ** -53 >= rate:
+            return token
+        return (token + 1 + h % (self.shape.vocab_size - 1)) % self.shape.vocab_size
+
+    def _table(self, seq: Sequence) -> list[int]:
+        return self.scheduler.blocks.table(seq_key(seq))
+
+    # ---- outputs -----------------------------------------------------------------------------
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = self.text_of(seq)
+        return RequestOutput(
+            request_id=seq.request_id, prompt_token_ids=list(seq.prompt), token_ids=list(seq.tokens),
+            text=text, finished=seq.is_finished,
+            finish_reason=seq.finish_reason.value if seq.finish_reason else None, seed=seq.seed,
+            deterministic=seq.kind == SeqKind.DVR, token_logprobs=list(seq.logprobs),
+            top_logprobs=[dict(d) for d in seq.top_logprobs] if seq.params.logprobs else None,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            windows=list(seq.windows), window_shape=(self.config.group, self.config.window),
+            verify_passes=seq.verify_passes, rollbacks=seq.rollbacks, recomputed_tokens=seq.recomputed_tokens,
+        )
+
+    def text_of(self, seq: Sequence) -> str:
+        if self.detokenize is None:
+            return ""
+        text = self.detokenize(seq.tokens)
+        cut = _stop_at(text, seq.params.stop or [])
+        return text if cut is None else text[:cut]
+
+    def stats(self) -> EngineStats:
+        s = EngineStats(**vars(self.totals))
+        s.running = len(self.scheduler.running)
+        s.waiting = len(self.scheduler.waiting)
+        s.preemptions = self.scheduler.preemptions
+        return s
+
+
+def _stop_at(text: str, stops: list[str]) -> int | None:
+    hits = [text.find(s) for s in stops if s and s in text]
+    return min(hits) if hits else None

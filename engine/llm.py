@@ -1,0 +1,93 @@
+"""LLM: the offline engine. generate(prompts, params) -> one RequestOutput per prompt, in order."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.core import EngineCore
+from engine.model_runner import ModelShape, PagedModel
+from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput
+
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM()` loads the default model; `LLM(EngineConfig(...))` or `LLM(model="path", window=16)`."""
+
+    def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        from engine.loader import load_engine_model  # heavy imports only when a real model is loaded
+
+        config = config or EngineConfig(**overrides)
+        loaded = load_engine_model(config)
+        self.tokenizer = loaded.tokenizer
+        self.model_info = loaded.info
+        self.core = EngineCore(config, loaded.model, loaded.shape, set(loaded.info.eos_token_ids),
+                               detokenize=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_parts(cls, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
+                   tokenizer: Any = None) -> LLM:
+        """An engine over an already built model (tests use a mock model)."""
+        self = cls.__new__(cls)
+        self.tokenizer = tokenizer
+        self.model_info = None
+        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
+        self.core = EngineCore(config, model, shape, eos_ids, detokenize=detok)
+        self._ids = itertools.count()
+        return self
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.core.config
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        prompts = [prompts] if isinstance(prompts, str) or _is_ids(prompts) else list(prompts)
+        plist = _per_prompt(params, len(prompts))
+        token_lists = [self._encode(p) for p in prompts]
+        for ids, p in zip(token_lists, plist):  # validate everything before queueing anything
+            self.core.validate(ids, p)
+        seqs = [self.core.add_request(f"gen-{next(self._ids)}", ids, p) for ids, p in zip(token_lists, plist)]
+        while any(not s.is_finished for s in seqs):
+            self.core.step()
+        return [self.core.output(s) for s in seqs]
+
+    def chat(self, conversations: list[dict[str, str]] | list[list[dict[str, str]]],
+             params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        convs = [conversations] if conversations and isinstance(conversations[0], dict) else conversations
+        ids = [list(self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)) for c in convs]
+        return self.generate(ids, params)
+
+    def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
+        """Re-execute recorded windows teacher-forced, all replays sharing G x W verify passes."""
+        seqs = add_replays(self.core, requests)
+        while any(not s.is_finished for s in seqs):
+            self.core.step()
+        return replay_results(requests, seqs)
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt))
+        return [int(t) for t in prompt]
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and (not x or isinstance(x[0], int))
+
+
+def _per_prompt(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"params: got {len(params)} SamplingParams for {n} prompts")
+    return list(params)

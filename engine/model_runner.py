@@ -1,0 +1,127 @@
+"""Turns a step plan into tensors, runs the model, returns float32 logits.
+
+Three pass shapes (T tokens in R rows; AttentionMetadata from engine.attention):
+  PREFILL  R rows of whole prompts; logits of each row's last token        -> [R, vocab]
+  DECODE   R rows of one token;   logits of every row                      -> [R, vocab]
+  VERIFY   exactly G rows x W tokens; logits of all G*W tokens (fixed GEMM shape) -> [G, W, vocab]
+Verify padding: a real row's dummy tokens and whole dummy rows write their K/V to the scratch block,
+so they never touch a live sequence; dummy rows read only the zero block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from engine.attention.kv_cache import KVCache
+from engine.attention.metadata import AttentionMetadata, PassKind
+from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
+
+
+class PagedModel(Protocol):
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv: KVCache) -> torch.Tensor: ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine needs to know about a model to size its KV cache and validate requests."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_model_len: int
+
+
+@dataclass(frozen=True)
+class Row:
+    tokens: list[int]        # real input tokens
+    start_pos: int           # absolute position of tokens[0]
+    block_table: list[int]   # physical blocks of the sequence
+
+
+DUMMY_TOKEN = 0
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.config = config
+        self.model = model
+        self.shape = shape
+        self.device = device
+        self.kv = KVCache.allocate(shape.num_layers, config.num_kv_blocks, config.block_size,
+                                   shape.num_kv_heads, shape.head_dim, dtype, device)
+
+    @torch.inference_mode()
+    def prefill(self, rows: list[Row]) -> torch.Tensor:
+        hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
+        last = meta.query_start_loc[1:].long() - 1
+        return self.model.compute_logits(hidden[last]).float()
+
+    @torch.inference_mode()
+    def decode(self, rows: list[Row]) -> torch.Tensor:
+        assert all(len(r.tokens) == 1 for r in rows)
+        hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None)
+        return self.model.compute_logits(hidden).float()
+
+    @torch.inference_mode()
+    def verify(self, rows: list[Row]) -> torch.Tensor:
+        """Exactly G x W tokens; returns [len(rows), W, vocab] (the dummy rows' logits are dropped)."""
+        g, w = self.config.group, self.config.window
+        assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
+        hidden, _ = self._forward(PassKind.VERIFY, rows, pad_to=(g, w))
+        assert hidden.shape[0] == g * w, hidden.shape
+        logits = self.model.compute_logits(hidden).float()  # [G*W, vocab], one fixed GEMM shape
+        return logits.view(g, w, -1)[: len(rows)]
+
+    def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None
+                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+        ids, pos, slots, starts, lens, tables = self._layout(rows, pad_to)
+        width = max(len(t) for t in tables)
+        table = torch.full((len(tables), width), ZERO_BLOCK, dtype=torch.int32)
+        for r, t in enumerate(tables):
+            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        dev = self.device
+        meta = AttentionMetadata(
+            kind=kind,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
+            block_tables=table.to(dev),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        return self.model(input_ids, positions, meta, self.kv), meta
+
+    def _layout(self, rows: list[Row], pad_to: tuple[int, int] | None
+                ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
+        """Flatten rows; with pad_to=(G, W) pad each row to W tokens and the pass to G rows.
+
+        Row layout under padding:  | real tokens (slots in the row's blocks) | dummies (scratch slots) |
+        """
+        bs = self.config.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        starts, lens, tables = [0], [], []
+        all_rows = list(rows)
+        if pad_to is not None:
+            all_rows += [Row([], 0, [])] * (pad_to[0] - len(rows))
+        for row in all_rows:
+            n = len(row.tokens) if pad_to is None else pad_to[1]
+            for i in range(n):
+                p = row.start_pos + i
+                real = i < len(row.tokens)
+                ids.append(row.tokens[i] if real else DUMMY_TOKEN)
+                pos.append(min(p, self.shape.max_model_len - 1))
+                slots.append(row.block_table[p // bs] * bs + p % bs if real
+                             else SCRATCH_BLOCK * bs + len(slots) % bs)
+            starts.append(starts[-1] + n)
+            lens.append(row.start_pos + n)
+            tables.append(row.block_table or [ZERO_BLOCK])
+        return ids, pos, slots, starts, lens, tables

@@ -1,0 +1,129 @@
+"""Sampling parameters and the counter-based sampler (DESIGN §2).
+
+The noise for (seed, absolute position, vocab id) is a pure function: a splitmix64-style hash gives
+64 bits, the top 53 become a uniform u in the open interval (0, 1), and g = -log(-log(u)) in float64 is
+Gumbel noise. The token is argmax(logits / T + g) over the vocab ids that survive top-k and top-p;
+temperature 0 is argmax of the logits with first-index tie-break. There is no generator state, so a
+rollback needs no rewind and the fast path and the verifier draw the same noise for the same slot.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SAMPLER_ID = "verbatim-gumbel-splitmix64-v1"
+U64_MAX = (1 << 64) - 1
+
+_GAMMA = np.uint64(0x9E3779B97F4A7C15)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0                          # 0 = off
+    seed: int | None = None                 # unsigned 64-bit; drawn by the engine when None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None             # number of top logprobs per token, when set
+    deterministic: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field and its limit (context limits are checked by the engine)."""
+        _need(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _need(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
+              f"must be a finite number >= 0, got {self.temperature}")
+        _need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _need(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _need(self.seed is None or 0 <= self.seed <= U64_MAX, "seed",
+              f"must be an unsigned 64-bit integer, got {self.seed}")
+        _need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
+              f"must be in [0, 20], got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token: int
+    logprob: float                          # log-softmax of the float32 logits at `token`
+    top_logprobs: dict[int, float] | None
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64 output function on uint64 arrays (wrapping arithmetic)."""
+    with np.errstate(over="ignore"):
+        return _mix(x + _GAMMA)
+
+
+def uniform(seed: int, position: int, vocab_size: int) -> np.ndarray:
+    """u(seed, position, v) for v in [0, vocab): float64 in the open interval (0, 1). Shape [vocab]."""
+    with np.errstate(over="ignore"):
+        key = splitmix64(splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(position))
+        bits = splitmix64(key ^ np.arange(vocab_size, dtype=np.uint64))
+    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0 ** -53)
+
+
+def gumbel(seed: int, position: int, vocab_size: int) -> np.ndarray:
+    return -np.log(-np.log(uniform(seed, position, vocab_size)))
+
+
+def keep_mask(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Boolean mask [vocab] of ids that survive top-k then top-p (ties broken by lower id first)."""
+    order = np.argsort(-scaled, kind="stable")
+    keep = np.zeros(scaled.shape[0], dtype=bool)
+    n = scaled.shape[0] if top_k == 0 else min(top_k, scaled.shape[0])
+    if top_p < 1.0:
+        top = scaled[order[:n]]
+        probs = np.exp(top - top[0])
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs         # mass strictly above each candidate
+        n = int(np.count_nonzero(before < top_p))
+    keep[order[:max(n, 1)]] = True
+    return keep
+
+
+def log_softmax64(row: np.ndarray) -> np.ndarray:
+    x = row.astype(np.float64)
+    m = x.max()
+    return x - (m + np.log(np.exp(x - m).sum()))
+
+
+def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> SampleResult:
+    """Sample the token at absolute `position` from one float32 logits row [vocab]."""
+    assert logits.dtype == np.float32 and logits.ndim == 1, (logits.dtype, logits.shape)
+    if params.temperature == 0:
+        token = int(np.argmax(logits))
+    else:
+        scaled = logits.astype(np.float64) / params.temperature
+        scaled = np.where(keep_mask(scaled, params.top_k, params.top_p), scaled, -np.inf)
+        token = int(np.argmax(scaled + gumbel(seed, position, logits.shape[0])))
+    lp = log_softmax64(logits)
+    top = None
+    if params.logprobs:
+        ids = np.argsort(-lp, kind="stable")[: params.logprobs]
+        top = {int(i): float(np.float32(lp[i])) for i in ids}
+    return SampleResult(token, float(np.float32(lp[token])), top)
+
+
+def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]]) -> list[SampleResult]:
+    """logits [N, vocab] (any float dtype, cast to float32); specs[i] = (params, seed, position)."""
+    rows = logits.float().cpu().numpy()
+    assert rows.shape[0] == len(specs), (rows.shape, len(specs))
+    return [sample_row(rows[i], p, s, pos) for i, (p, s, pos) in enumerate(specs)]
+
+
+def _need(ok: bool, field: str, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{field}: {limit}")

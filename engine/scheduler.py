@@ -1,0 +1,190 @@
+"""Continuous batching: admit, plan prefill / decode / verify steps under budgets, preempt.
+
+Policy per step (first that applies):
+1. PREFILL the head of the waiting queue: a DVR or replay prompt alone (canonical), or a run of
+   consecutive non-deterministic prompts batched under the token budget.
+2. VERIFY when >= G rows are ready, or nothing can decode, or the oldest ready row waited W steps.
+3. DECODE every running sequence that can take a fast-path token.
+Preemption (KV exhausted) evicts the newest running sequence; it re-enters the waiting queue's head and
+is rebuilt from its committed state (DVR: prompt alone, then its recorded windows teacher-forced).
+"""
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager, OutOfBlocks
+from engine.config import EngineConfig
+from engine.sequence import Sequence, SeqKind, SeqStatus
+from engine.verifier import VerifyRow, dvr_row, teacher_row
+
+
+class StepKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class PrefillItem:
+    seq: Sequence
+    tokens: list[int]      # inputs at positions 0..len-1
+    sample: bool           # False for a non-deterministic re-prefill whose next token is known
+
+
+@dataclass
+class Plan:
+    kind: StepKind
+    prefill: list[PrefillItem] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)
+    verify: list[VerifyRow] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, eos_ids: set[int]) -> None:
+        self.config = config
+        self.eos_ids = eos_ids
+        self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.step_index = 0
+        self.preemptions = 0
+
+    # ---- queue -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and release its KV."""
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.free(seq_key(seq))
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- planning ----------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        self.step_index += 1
+        for plan in (self._plan_prefill(), self._plan_verify(), self._plan_decode()):
+            if plan is not None:
+                return plan
+        if self.running:  # nothing decodes and the verifier waits: force the ready rows through
+            plan = self._plan_verify(force=True)
+            if plan is not None:
+                return plan
+        assert not self.running, "scheduler stalled with running sequences"
+        return Plan(StepKind.IDLE)
+
+    def _plan_prefill(self) -> Plan | None:
+        items: list[PrefillItem] = []
+        budget = self.config.max_num_batched_tokens
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            item = prefill_item(seq)
+            alone = seq.kind != SeqKind.FAST
+            if items and (alone or len(item.tokens) > budget):
+                break
+            if self.blocks.extra_blocks(seq_key(seq), len(item.tokens) + 1) > self.blocks.num_free:
+                break
+            self.blocks.ensure(seq_key(seq), len(item.tokens) + 1)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            items.append(item)
+            budget -= len(item.tokens)
+            if alone:
+                break
+        return Plan(StepKind.PREFILL, prefill=items) if items else None
+
+    def _plan_verify(self, force: bool = False) -> Plan | None:
+        rows = [s for s in self.running if needs_verify(s, self.config.window, self.eos_ids)]
+        if not rows:
+            return None
+        decodable = any(can_decode(s, self.config.window, self.eos_ids) for s in self.running)
+        oldest = min(s.ready_since if s.ready_since is not None else self.step_index for s in rows)
+        if not (force or len(rows) >= self.config.group or not decodable
+                or self.step_index - oldest >= self.config.window):
+            return None
+        chosen = rows[: self.config.group]
+        granted = self._allocate([(s, verify_slots(s)) for s in chosen])
+        built = [teacher_row(s) if s.pending_windows else dvr_row(s) for s in granted]
+        return Plan(StepKind.VERIFY, verify=built) if built else None
+
+    def _plan_decode(self) -> Plan | None:
+        seqs = [s for s in self.running if can_decode(s, self.config.window, self.eos_ids)]
+        if not seqs:
+            return None
+        granted = self._allocate([(s, s.num_tokens) for s in seqs])
+        return Plan(StepKind.DECODE, decode=granted) if granted else None
+
+    # ---- KV ----------------------------------------------------------------------------------
+    def _allocate(self, wants: list[tuple[Sequence, int]]) -> list[Sequence]:
+        """Grow each sequence's table to its slot count, preempting the newest others when KV runs out."""
+        granted: list[Sequence] = []
+        for seq, slots in wants:
+            while seq.status == SeqStatus.RUNNING:
+                try:
+                    self.blocks.ensure(seq_key(seq), slots)
+                    granted.append(seq)
+                    break
+                except OutOfBlocks:
+                    victim = max((s for s in self.running if s not in granted), key=lambda s: s.arrival)
+                    self.preempt(victim)
+        return granted
+
+    def preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq_key(seq))
+        seq.reset_for_rebuild()
+        self.waiting.appendleft(seq)
+        self.preemptions += 1
+
+
+def seq_key(seq: Sequence) -> str:
+    return f"{seq.kind.value}:{seq.request_id}"
+
+
+def prefill_item(seq: Sequence) -> PrefillItem:
+    """DVR / replay: the prompt alone. FAST re-prefill after preemption: prompt + outputs but the last."""
+    if seq.kind == SeqKind.FAST and seq.tokens:
+        return PrefillItem(seq, seq.prompt + seq.tokens[:-1], sample=False)
+    return PrefillItem(seq, list(seq.prompt), sample=True)
+
+
+def candidate_done(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
+    """A DVR row is ready: W-1 candidates, or the fast path says it finished (EOS / stop id / max_tokens)."""
+    if len(seq.candidates) >= seq.max_candidates(window):
+        return True
+    if not seq.candidates:
+        return False
+    last = seq.candidates[-1]
+    stops = set(seq.params.stop_token_ids or ())
+    return last in stops or (not seq.params.ignore_eos and last in eos_ids)
+
+
+def needs_verify(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
+    if seq.status != SeqStatus.RUNNING:
+        return False
+    if seq.pending_windows:
+        return True
+    return seq.kind == SeqKind.DVR and candidate_done(seq, window, eos_ids)
+
+
+def can_decode(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
+    if seq.status != SeqStatus.RUNNING or seq.pending_windows:
+        return False
+    if seq.kind == SeqKind.FAST:
+        return True
+    return seq.kind == SeqKind.DVR and not candidate_done(seq, window, eos_ids)
+
+
+def verify_slots(seq: Sequence) -> int:
+    """Slots a verify row writes: DVR up to the last candidate's position; teacher up to L+e-2."""
+    if seq.pending_windows:
+        return seq.prompt_len + seq.pending_windows[0][1] - 1
+    return seq.num_tokens

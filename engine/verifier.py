@@ -1,0 +1,107 @@
+"""Verify passes: rows of exactly W tokens, G rows per pass; compare / commit / rollback (DESIGN §2).
+
+A DVR row is [last committed token, candidate 1 .. candidate k] (k <= W-1) at positions
+L+s-1 .. L+s-1+k, where s = number of committed outputs; its outputs v_1 .. v_{k+1} are the verifier's
+tokens for output slots s .. s+k. A teacher row (preemption rebuild, replay) for recorded window
+(s, e) is tokens[s-1 : e-1] at positions L+s-1 .. L+e-2 and predicts tokens[s:e]. The runner pads every
+row with dummy tokens up to W and the pass with dummy rows up to G.
+"""
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.sampling import SampleResult
+from engine.sequence import FinishReason, Sequence, SeqKind, SeqStatus
+
+
+CommitFn = Callable[[Sequence, int, SampleResult], bool]
+"""commit(seq, token, sample) -> finished; finish conditions are judged on committed tokens only."""
+
+
+class RowKind(enum.Enum):
+    DVR = "dvr"          # candidates from the fast path: compare, commit, roll back
+    TEACHER = "teacher"  # recorded tokens, teacher-forced: predict and check / report
+
+
+@dataclass(frozen=True)
+class VerifyRow:
+    seq: Sequence
+    kind: RowKind
+    tokens: list[int]                  # real input tokens, 1 <= len <= W
+    start_pos: int                     # absolute position of tokens[0]
+    window: tuple[int, int] | None     # TEACHER: the recorded (start, end) it re-executes
+
+    @property
+    def num_outputs(self) -> int:
+        """Logit rows that are meaningful: DVR k+1 (all inputs), TEACHER e-s."""
+        return len(self.tokens)
+
+
+def dvr_row(seq: Sequence) -> VerifyRow:
+    s = len(seq.tokens)
+    assert s >= 1 and seq.candidates, (seq.request_id, s, len(seq.candidates))
+    assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates), "fast path KV counter drift"
+    return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates], seq.prompt_len + s - 1, None)
+
+
+def teacher_row(seq: Sequence) -> VerifyRow:
+    s, e = seq.pending_windows[0]
+    assert seq.kv_len == seq.prompt_len + s - 1, ("teacher window out of order", seq.request_id, s, seq.kv_len)
+    return VerifyRow(seq, RowKind.TEACHER, seq.tokens[s - 1 : e - 1], seq.prompt_len + s - 1, (s, e))
+
+
+def first_mismatch(candidates: list[int], verified: list[int]) -> int:
+    """m (1-based): first i with verified[i-1] != candidates[i-1]; k+1 when all k candidates match."""
+    for i, (c, v) in enumerate(zip(candidates, verified), start=1):
+        if c != v:
+            return i
+    return len(candidates) + 1
+
+
+def apply_dvr(row: VerifyRow, samples: list[SampleResult], commit: CommitFn) -> int:
+    """Commit candidates 1..m-1 and v_m (bonus when all match); roll back the rest. Returns m."""
+    seq = row.seq
+    k = len(seq.candidates)
+    assert len(samples) == k + 1, (len(samples), k)
+    m = first_mismatch(seq.candidates, [r.token for r in samples[:k]])
+    start = len(seq.tokens)
+    accepted = seq.candidates[: m - 1] + [samples[m - 1].token]
+    seq.candidates.clear()
+    if m <= k:
+        seq.rollbacks += 1
+        seq.recomputed_tokens += k - (m - 1)
+    seq.verify_passes += 1
+    for tok, res in zip(accepted, samples[:m]):
+        assert res.token == tok, "committed tokens are the verifier's"
+        if commit(seq, tok, res):
+            break
+    end = len(seq.tokens)
+    assert end > start, "a verify pass must commit at least one token"
+    seq.windows.append((start, end))
+    # canonical KV now covers the row inputs that are committed: last token + candidates 1..m-1
+    seq.kv_len = row.start_pos + m
+    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1, (seq.kv_len, len(seq.tokens))
+    return m
+
+
+def apply_teacher(row: VerifyRow, samples: list[SampleResult]) -> None:
+    """Record (replay) or check (rebuild) the verifier's predictions for one recorded window."""
+    seq = row.seq
+    assert row.window is not None and seq.pending_windows[0] == row.window
+    s, e = seq.pending_windows.popleft()
+    assert len(samples) == e - s
+    if seq.kind == SeqKind.REPLAY:
+        assert seq.replay is not None
+        seq.replay.predicted.extend(r.token for r in samples)
+        seq.replay.logprobs.extend(r.logprob for r in samples)
+    else:
+        got = [r.token for r in samples]
+        assert got == seq.tokens[s:e], (
+            f"rebuild of {seq.request_id} window {(s, e)} diverged: {got} != {seq.tokens[s:e]}")
+        assert [r.logprob for r in samples] == seq.logprobs[s:e], f"rebuild logprobs of {seq.request_id} diverged"
+    seq.kv_len = seq.prompt_len + e - 1
+    if seq.kind == SeqKind.REPLAY and not seq.pending_windows:
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = FinishReason.STOP
