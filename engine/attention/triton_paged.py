@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
+
+from engine.attention.metadata import AttentionMetadata, PassKind
 
 # Canonical tile configuration of the no-split kernel. Changing any of these changes committed bits:
 # it is part of the runtime identity (see `KERNEL_ID`).
@@ -325,3 +328,80 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Per-forward launch parameters, shared by every layer; built without a host sync for DECODE/VERIFY."""
+
+    kind: PassKind
+    slot_mapping: torch.Tensor     # Long[T]
+    query_start_loc: torch.Tensor  # Int[R+1]
+    seq_lens: torch.Tensor         # Int[R]
+    block_tables: torch.Tensor     # Int[R, max_blocks]
+    max_query_len: int
+    one_query_per_row: bool        # DECODE with T == R: the split-KV decode kernel
+
+
+class TritonPagedAttention:
+    """The attention-backend seam (plan / forward, as TorchAttention) on the Triton kernels above.
+
+    DECODE steps are CUDA-graph capturable: `plan` reads only tensor shapes, and the split buffers
+    come from a workspace kept for the backend's lifetime (grown, never freed, so captured graphs
+    keep valid pointers).
+    """
+
+    name = "triton"
+    kernel_id = KERNEL_ID
+
+    def __init__(self, split_size: int = DECODE_SPLIT_SIZE) -> None:
+        self.split_size = split_size
+        self._workspaces: dict[tuple, DecodeWorkspace] = {}
+        self._retired: list[DecodeWorkspace] = []
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> TritonPlan:
+        num_tokens, num_rows = meta.num_tokens, meta.num_rows
+        one_per_row = meta.kind is PassKind.DECODE and num_tokens == num_rows
+        if one_per_row:
+            max_q = 1
+        elif meta.kind is PassKind.VERIFY:
+            if num_tokens % num_rows:
+                raise ValueError(f"VERIFY rows must all hold W tokens: {num_tokens} tokens in {num_rows} rows")
+            max_q = num_tokens // num_rows
+        elif num_rows == 1:
+            max_q = num_tokens
+        else:
+            max_q = int((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).max().item())
+        return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
+                          meta.block_tables, max_q, one_per_row)
+
+    def workspace(self, num_rows: int, num_heads: int, head_dim: int, num_splits: int,
+                  device: torch.device) -> DecodeWorkspace:
+        key = (str(device), num_heads, head_dim, num_splits)
+        ws = self._workspaces.get(key)
+        if ws is None or ws.mid_o.shape[0] < num_rows:
+            if ws is not None:
+                self._retired.append(ws)  # a captured graph may still point at it
+            ws = DecodeWorkspace(max(num_rows, 64), num_heads, head_dim, num_splits, device)
+            self._workspaces[key] = ws
+        return ws
+
+    def forward(
+        self,
+        q: torch.Tensor,        # [T, Hq, D]
+        k: torch.Tensor,        # [T, Hkv, D]
+        v: torch.Tensor,
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        plan: TritonPlan,
+        scale: float,
+    ) -> torch.Tensor:          # [T, Hq, D]
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        q = q.contiguous()
+        if plan.one_query_per_row:
+            splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
+            ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
+            return decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                                    workspace=ws, split_size=self.split_size)
+        return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
+                                 scale, plan.max_query_len)
