@@ -1,0 +1,37 @@
+"""What one forward pass tells attention: pass kind, where K/V go, which keys each row sees."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class PassKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    VERIFY = "verify"
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Built by the model runner for one forward over T tokens in R rows.
+
+    Token layout (T = query_start_loc[-1]):  | row 0 tokens | row 1 tokens | ... | row R-1 tokens |
+    Row r's queries sit at absolute positions seq_lens[r] - n_r ... seq_lens[r] - 1,
+    with n_r = query_start_loc[r+1] - query_start_loc[r].
+    """
+
+    kind: PassKind
+    slot_mapping: torch.Tensor  # Long[T]: block_id * block_size + offset each token's K/V is written to
+    query_start_loc: torch.Tensor  # Int[R+1]: cumulative token counts, starts at 0
+    seq_lens: torch.Tensor  # Int[R]: keys visible to the row's last query, this pass's tokens included
+    block_tables: torch.Tensor  # Int[R, max_blocks]: physical block per logical block; padding -> block 0
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.slot_mapping.shape[0])

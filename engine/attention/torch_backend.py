@@ -1,0 +1,221 @@
+"""Torch attention over the paged KV cache (CPU, and the GPU reference).
+
+PREFILL and VERIFY reduce every query over the cache in fixed, absolutely aligned key tiles:
+tile t covers key positions [t*tile, (t+1)*tile), tiles are visited in increasing order with an
+online softmax, and keys after the query's position are masked to -inf. Every per-tile op has a
+shape fixed by (rows, queries per row, tile), never by where the window starts, so a query's
+result depends only on its position and the cache contents:
+- the keys a query sees inside a tile sit in the same slots whatever the window start;
+- a tile wholly after the query is an exact no-op (max unchanged, alpha = exp(0) = 1, p = 0);
+- rows never mix (batched matmuls over rows, row-wise reductions).
+DECODE gathers each row's keys into one padded batch and calls SDPA (fast, shape-dependent).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.metadata import AttentionMetadata, PassKind
+
+DEFAULT_TILE_KEYS = 64
+
+
+@dataclass(frozen=True)
+class TileGroup:
+    """Rows attended together with the tiled schedule; all have the same query count n."""
+
+    token_start: int  # first token of the group in the pass
+    num_rows: int
+    queries_per_row: int
+    q_pos: torch.Tensor  # Long[R, n]: absolute query positions
+    block_ids: torch.Tensor  # Long[R, num_tiles * blocks_per_tile]
+    num_tiles: int
+
+
+@dataclass(frozen=True)
+class DecodeBatch:
+    """One query per row; keys gathered into [R, L] with L = num_blocks * block_size."""
+
+    block_ids: torch.Tensor  # Long[R, num_blocks]
+    key_mask: torch.Tensor  # Bool[R, 1, 1, L]: key position < seq_len
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Index work done once per forward pass and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # Long[T]
+    tiled: tuple[TileGroup, ...]
+    decode: DecodeBatch | None
+    blocks_per_tile: int
+
+
+class TorchAttention:
+    """Paged attention in plain torch; see the module docstring for the invariance argument."""
+
+    name = "torch"
+
+    def __init__(self, tile_keys: int = DEFAULT_TILE_KEYS) -> None:
+        if tile_keys < 1:
+            raise ValueError(f"tile_keys must be >= 1, got {tile_keys}")
+        self.tile_keys = tile_keys
+
+    def tile_size(self, block_size: int) -> int:
+        """Keys per tile: the smallest multiple of block_size that is >= tile_keys."""
+        return block_size * math.ceil(self.tile_keys / block_size)
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
+        starts = meta.query_start_loc.tolist()
+        seq_lens = meta.seq_lens.tolist()
+        counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        _check_rows(counts, seq_lens, meta)
+        bpt = self.tile_size(block_size) // block_size
+        slots = meta.slot_mapping.to(torch.long)
+        if meta.kind is PassKind.DECODE and all(n == 1 for n in counts):
+            decode = _decode_batch(meta, seq_lens, block_size)
+            return AttentionPlan(slots, (), decode, bpt)
+        if meta.kind is PassKind.VERIFY:
+            if len(set(counts)) != 1:
+                raise ValueError(f"VERIFY rows must all hold W tokens, got counts {counts}")
+            groups = (_tile_group(meta, range(len(counts)), starts, counts, seq_lens, bpt, block_size),)
+        else:
+            groups = tuple(
+                _tile_group(meta, [r], starts, counts, seq_lens, bpt, block_size)
+                for r in range(len(counts))
+                if counts[r] > 0
+            )
+        return AttentionPlan(slots, groups, None, bpt)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        plan: AttentionPlan,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        if plan.decode is not None:
+            return _decode_attention(q, k_cache, v_cache, plan.decode, scale)
+        out = torch.empty_like(q)
+        for g in plan.tiled:
+            n_tok = g.num_rows * g.queries_per_row
+            qg = q[g.token_start : g.token_start + n_tok].view(g.num_rows, g.queries_per_row, *q.shape[1:])
+            og = tiled_attention(qg, g.q_pos, g.block_ids, g.num_tiles, plan.blocks_per_tile, k_cache, v_cache, scale)
+            out[g.token_start : g.token_start + n_tok] = og.reshape(n_tok, *q.shape[1:]).to(q.dtype)
+        return out
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """Scatter this pass's K/V ([T, Hkv, D]) into their cache slots before anyone attends."""
+    flat_shape = (-1, *k_cache.shape[2:])
+    k_cache.view(flat_shape).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(flat_shape).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
+def tiled_attention(
+    q: torch.Tensor,  # [R, n, Hq, D]
+    q_pos: torch.Tensor,  # Long[R, n]
+    block_ids: torch.Tensor,  # Long[R, num_tiles * bpt]
+    num_tiles: int,
+    bpt: int,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:  # float32 [R, n, Hq, D]
+    r, n, hq, d = q.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    tile = bpt * k_cache.shape[1]
+    # queries grouped under their KV head: [R, Hkv, group * n, D], index = group_idx * n + query_idx
+    qf = q.float().view(r, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, group * n, d)
+    qpos = q_pos.repeat(1, group)  # [R, group * n]
+    m = torch.full((r, hkv, group * n), -math.inf, dtype=torch.float32, device=q.device)
+    l = torch.zeros((r, hkv, group * n), dtype=torch.float32, device=q.device)
+    acc = torch.zeros((r, hkv, group * n, d), dtype=torch.float32, device=q.device)
+    offsets = torch.arange(tile, device=q.device)
+    for t in range(num_tiles):
+        blk = block_ids[:, t * bpt : (t + 1) * bpt]  # [R, bpt]
+        kt = k_cache[blk].view(r, tile, hkv, d).float().permute(0, 2, 3, 1)  # [R, Hkv, D, tile]
+        vt = v_cache[blk].view(r, tile, hkv, d).float().permute(0, 2, 1, 3)  # [R, Hkv, tile, D]
+        s = torch.matmul(qf, kt) * scale  # [R, Hkv, group * n, tile]
+        masked = (t * tile + offsets)[None, None, :] > qpos[:, :, None]  # [R, group * n, tile]
+        s = s.masked_fill(masked[:, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l = l * alpha + p.sum(dim=-1)
+        acc = acc * alpha[..., None] + torch.matmul(p, vt)
+        m = m_new
+    out = acc / l[..., None]  # [R, Hkv, group * n, D]
+    return out.view(r, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(r, n, hq, d)
+
+
+def _check_rows(counts: list[int], seq_lens: list[int], meta: AttentionMetadata) -> None:
+    if len(counts) != len(seq_lens):
+        raise ValueError(f"query_start_loc has {len(counts) + 1} entries but seq_lens has {len(seq_lens)}")
+    if sum(counts) != meta.num_tokens:
+        raise ValueError(f"query_start_loc covers {sum(counts)} tokens but slot_mapping has {meta.num_tokens}")
+    for r, (n, s) in enumerate(zip(counts, seq_lens)):
+        if n < 0 or s < n:
+            raise ValueError(f"row {r}: seq_lens={s} must be >= its query count {n} >= 0")
+
+
+def _padded_blocks(block_tables: torch.Tensor, rows: list[int], width: int) -> torch.Tensor:
+    """Block ids [len(rows), width]; columns past the table point at the reserved block 0."""
+    bt = block_tables[rows].to(torch.long)[:, :width]
+    if bt.shape[1] < width:
+        bt = F.pad(bt, (0, width - bt.shape[1]), value=0)
+    return bt
+
+
+def _tile_group(
+    meta: AttentionMetadata,
+    rows: list[int] | range,
+    starts: list[int],
+    counts: list[int],
+    seq_lens: list[int],
+    bpt: int,
+    block_size: int,
+) -> TileGroup:
+    rows = list(rows)
+    n = counts[rows[0]]
+    tile = bpt * block_size
+    num_tiles = math.ceil(max(seq_lens[r] for r in rows) / tile)
+    device = meta.slot_mapping.device
+    last = torch.tensor([seq_lens[r] for r in rows], dtype=torch.long, device=device)
+    q_pos = last[:, None] - n + torch.arange(n, device=device)[None, :]
+    block_ids = _padded_blocks(meta.block_tables, rows, num_tiles * bpt)
+    return TileGroup(starts[rows[0]], len(rows), n, q_pos, block_ids, num_tiles)
+
+
+def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> DecodeBatch:
+    num_blocks = math.ceil(max(seq_lens) / block_size)
+    block_ids = _padded_blocks(meta.block_tables, list(range(len(seq_lens))), num_blocks)
+    key_pos = torch.arange(num_blocks * block_size, device=block_ids.device)
+    key_mask = key_pos[None, :] < meta.seq_lens.to(block_ids.device)[:, None]
+    return DecodeBatch(block_ids, key_mask[:, None, None, :])
+
+
+def _decode_attention(
+    q: torch.Tensor,  # [R, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: DecodeBatch,
+    scale: float,
+) -> torch.Tensor:  # [R, Hq, D]
+    r, nb = batch.block_ids.shape
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    keys = k_cache[batch.block_ids].view(r, nb * k_cache.shape[1], hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
+    values = v_cache[batch.block_ids].view(r, nb * k_cache.shape[1], hkv, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=batch.key_mask, scale=scale, enable_gqa=True
+    )  # [R, Hq, 1, D]
+    return out[:, :, 0, :].to(q.dtype)
