@@ -1,20 +1,26 @@
-"""Attention over the paged KV cache: metadata, cache, backends (torch; GPU kernels later)."""
+"""Attention over the paged KV cache: metadata, cache, backends (torch; triton on CUDA)."""
+from engine.attention.backend import AttentionBackend
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.attention.paging import RowSpec, build_metadata, positions_of
 from engine.attention.torch_backend import AttentionPlan, TorchAttention
 
-BACKENDS = {"torch": TorchAttention}
+BACKEND_NAMES = ("torch", "triton")
 
 
-def get_backend(name: str) -> TorchAttention:
-    """Attention backend by name ("torch"); raises ValueError naming `attention_backend`."""
-    if name not in BACKENDS:
-        raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)}, got {name!r}")
-    return BACKENDS[name]()
+def get_backend(name: str) -> AttentionBackend:
+    """Attention backend by name; raises ValueError naming `attention_backend`."""
+    if name == "torch":
+        return TorchAttention()
+    if name == "triton":
+        from engine.attention.triton_paged import TritonPagedAttention
+
+        return TritonPagedAttention()
+    raise ValueError(f"attention_backend must be one of {list(BACKEND_NAMES)}, got {name!r}")
 
 
 __all__ = [
+    "AttentionBackend",
     "AttentionMetadata",
     "AttentionPlan",
     "KVCache",

@@ -5,12 +5,13 @@ Module and parameter names mirror transformers', so an HF state dict loads by na
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, AttentionPlan, KVCache, TorchAttention
+from engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from engine.models.arch import LlamaArch
 from engine.models.rope import apply_rope, rope_table
 
@@ -48,10 +49,10 @@ class Attention(nn.Module):
         x: torch.Tensor,  # [T, H]
         cos: torch.Tensor,  # [T, 1, D]
         sin: torch.Tensor,
-        plan: AttentionPlan,
+        plan: Any,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
-        backend: TorchAttention,
+        backend: AttentionBackend,
     ) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
@@ -89,10 +90,10 @@ class DecoderLayer(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        plan: AttentionPlan,
+        plan: Any,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        backend: TorchAttention,
+        backend: AttentionBackend,
     ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, k_cache, v_cache, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -109,7 +110,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """model(input_ids[T], positions[T], meta, kv) -> hidden [T, H]; compute_logits -> float32 [N, vocab]."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: TorchAttention) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: AttentionBackend) -> None:
         super().__init__()
         self.arch, self.dtype, self.attention = arch, dtype, backend
         self.model = LlamaModel(arch, dtype)

@@ -1,0 +1,27 @@
+"""The attention-backend seam every implementation follows (torch, triton, ...)."""
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from engine.attention.metadata import AttentionMetadata
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> Any:
+        """Index work done once per forward pass, shared by every layer."""
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        v_cache: torch.Tensor,
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]; writes k, v to plan's slots first
+        """Write this pass's K/V into the cache, then attend."""
