@@ -50,15 +50,15 @@ class ChainHead:
 async def chain_head(session: AsyncSession, tenant: str) -> ChainHead:
     row = (
         await session.execute(
-            select(Transcript.sequence, Transcript.envelope_digest)
+            select(Transcript.sequence, Transcript.payload_digest)
             .where(Transcript.tenant == tenant)
             .order_by(Transcript.sequence.desc())
             .limit(1)
         )
     ).first()
     if row is None:
-        return ChainHead(0, None)
-    return ChainHead(row.sequence + 1, row.envelope_digest)
+        return ChainHead(1, None)
+    return ChainHead(row.sequence + 1, row.payload_digest)
 
 
 async def add_transcript(session: AsyncSession, transcript: Transcript, content: TranscriptContent) -> None:

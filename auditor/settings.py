@@ -21,6 +21,10 @@ class Settings:
     data_dir: Path = Path("data")
     database_url: str | None = None
     """SQLAlchemy async URL; ``None`` means ``sqlite+aiosqlite:///<data_dir>/verbatim.db``."""
+    database_schema: str | None = None
+    """PostgreSQL schema (search_path) to use instead of the default; tests use a fresh one."""
+    log_origin: str = "verbatim.local/log"
+    """Origin line of the log's checkpoints (C2SP); name the deployment."""
     model: str = "default"
     """``default`` (the SmolLM2 GGUF), a local Hugging Face model directory or a .gguf file."""
     device: str = "auto"

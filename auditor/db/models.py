@@ -111,9 +111,9 @@ class Transcript(Base):
     """UUIDv7 string, also the Statement subject name."""
     tenant: Mapped[str] = mapped_column(String(64))
     sequence: Mapped[int] = mapped_column(BigInteger)
-    """Per-tenant sequence number, starting at 0."""
+    """Per-tenant sequence number, starting at 1."""
     previous_digest: Mapped[str | None] = mapped_column(String(64))
-    """Hex envelope digest of the tenant's previous transcript (None for the first)."""
+    """``payload_digest`` of the tenant's previous transcript (None for the first)."""
     api: Mapped[str] = mapped_column(String(32))
     """``completions`` or ``chat.completions``."""
     model: Mapped[str] = mapped_column(String(128), index=True)
@@ -131,8 +131,10 @@ class Transcript(Base):
     """API key that made the request."""
     envelope: Mapped[bytes] = mapped_column(LargeBinary)
     """The exact DSSE envelope bytes as signed and returned; never re-serialized."""
+    payload_digest: Mapped[str] = mapped_column(String(64))
+    """Hex SHA-256 of the signed payload bytes: the next transcript's ``previous_digest``."""
     envelope_digest: Mapped[str] = mapped_column(String(64), unique=True)
-    """Hex SHA-256 of ``envelope``: the log entry and the next transcript's ``previous_digest``."""
+    """Hex SHA-256 of ``envelope`` (RFC 8785 bytes of the DSSE envelope): the log entry."""
     log_index: Mapped[int] = mapped_column(BigInteger, unique=True)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     """When the request was received (UTC)."""

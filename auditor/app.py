@@ -1,0 +1,152 @@
+"""``create_app(settings)``: builds the litestar app and everything it holds (DB engine, key ring,
+ledger, metrics, auth, engine). Nothing here reads the environment or a global.
+
+The engine is either handed in (tests share one across apps; the caller owns its lifecycle) or
+loaded by the app in the background at startup (``/readyz`` answers 503 until it is up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from litestar import Litestar
+from litestar.di import Provide
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from auditor.auth import Authenticator
+from auditor.crypto import KeyRing
+from auditor.db.session import create_engine, create_sessionmaker
+from auditor.errors import exception_handlers
+from auditor.ledger import Ledger
+from auditor.metrics import Metrics
+from auditor.ratelimit import RateLimiter
+from auditor.routes import default_route_handlers
+from auditor.routes.deps import Services
+from auditor.service import CompletionService
+from auditor.settings import Settings
+
+log = logging.getLogger("auditor.http")
+
+EngineLoader = Callable[[Settings], Any]
+
+
+def load_engine(settings: Settings) -> Any:
+    """Build the real engine (blocking: loads and dequantizes the model)."""
+    from engine import AsyncEngine, EngineConfig
+
+    return AsyncEngine(EngineConfig(model=settings.model, device=settings.device, **dict(settings.engine_options)))
+
+
+def build_services(settings: Settings) -> Services:
+    db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
+    sessionmaker = create_sessionmaker(db)
+    keyring = KeyRing.open(settings.keys_dir)
+    holder: dict[str, Services] = {}
+    metrics = Metrics(lambda: holder["services"].engine.stats() if holder["services"].engine else None)
+    services = Services(
+        settings=settings, db=db, sessionmaker=sessionmaker, keyring=keyring,
+        ledger=Ledger(sessionmaker, keyring, settings.log_origin),
+        authenticator=Authenticator(sessionmaker, RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst)),
+        metrics=metrics)
+    holder["services"] = services
+    return services
+
+
+def attach_engine(services: Services, engine: Any) -> None:
+    services.engine = engine
+    services.completions = CompletionService(engine, services.ledger, services.metrics,
+                                             max_prompt_tokens=services.settings.max_prompt_tokens)
+    services.engine_loaded.set()
+
+
+async def _load_and_start(services: Services, loader: EngineLoader) -> None:
+    try:
+        engine = await asyncio.to_thread(loader, services.settings)
+        await engine.start()
+    except Exception as exc:  # noqa: BLE001 - reported by /readyz and 503s, and logged
+        services.engine_error = f"{type(exc).__name__}: {exc}"
+        log.exception("engine failed to load")
+        services.engine_loaded.set()
+        return
+    attach_engine(services, engine)
+    log.info("engine ready", extra={"event": "engine_ready"})
+
+
+def create_app(
+    settings: Settings,
+    *,
+    engine: Any | None = None,
+    engine_loader: EngineLoader = load_engine,
+    routes: Sequence[Any] = (),
+) -> Litestar:
+    """The app. ``engine``: a started engine owned by the caller; else ``engine_loader`` runs at startup.
+    ``routes``: extra route handlers / controllers / routers mounted beside the defaults."""
+    services = build_services(settings)
+    background: list[asyncio.Task[Any]] = []
+
+    async def startup() -> None:
+        if engine is not None:
+            attach_engine(services, engine)
+        else:
+            background.append(asyncio.create_task(_load_and_start(services, engine_loader)))
+
+    async def shutdown() -> None:
+        for task in background:
+            task.cancel()
+        if services.completions is not None:
+            await services.completions.drain()
+        if engine is None and services.engine is not None:
+            await services.engine.shutdown()
+        await services.db.dispose()
+
+    app = Litestar(
+        route_handlers=[*default_route_handlers(), *routes],
+        dependencies={"services": Provide(lambda: services, sync_to_thread=False)},
+        exception_handlers=exception_handlers(),
+        on_startup=[startup],
+        on_shutdown=[shutdown],
+        middleware=[lambda app: observe(app, services)],
+        request_max_body_size=settings.max_body_bytes,
+        openapi_config=None,
+        debug=False,
+    )
+    app.state.services = services
+    return app
+
+
+def observe(app: ASGIApp, services: Services) -> ASGIApp:
+    """Per request: one structured log line (no bodies) and the HTTP metrics."""
+
+    async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = {"code": 500}
+
+        async def capture(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await app(scope, receive, capture)
+        finally:
+            _observed(scope, services, status["code"], time.perf_counter() - started)
+
+    return middleware
+
+
+def _observed(scope: Scope, services: Services, status: int, seconds: float) -> None:
+    route = scope.get("path_template") or "unmatched"
+    services.metrics.requests.labels(scope["method"], route, str(status)).inc()
+    services.metrics.latency.labels(route).observe(seconds)
+    principal = scope.get("state", {}).get("principal")
+    log.info("request", extra={
+        "event": "http", "method": scope["method"], "path": scope["path"], "route": route, "status": status,
+        "duration_ms": round(seconds * 1000, 1), "key_id": getattr(principal, "key_id", None),
+        "tenant": getattr(principal, "tenant", None)})

@@ -1,0 +1,69 @@
+"""Prometheus metrics on a registry owned by the app (no process-global registry).
+
+Service counters are updated by the HTTP layer; engine figures (tokens, verify passes, rollbacks,
+verify-pass seconds, queue depth) are read from ``engine.stats()`` at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_ENGINE_COUNTERS = {
+    "prompt_tokens": "Prompt tokens prefilled by the engine",
+    "generated_tokens": "Output tokens committed by the engine",
+    "verify_passes": "DVR verify passes run",
+    "rollbacks": "DVR rollbacks (candidate mismatches)",
+    "recomputed_tokens": "Candidate tokens discarded by rollbacks",
+    "verify_pass_seconds": "Seconds spent in verify passes",
+}
+_ENGINE_GAUGES = {"running": "Requests running in the engine", "waiting": "Requests queued in the engine"}
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []  # read at scrape time only; the engine may not exist yet
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        if stats is None:
+            return
+        for name, doc in _ENGINE_COUNTERS.items():
+            value = getattr(stats, name, None)
+            if value is not None:
+                yield CounterMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
+        for name, doc in _ENGINE_GAUGES.items():
+            value = getattr(stats, name, None)
+            if value is not None:
+                yield GaugeMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
+
+
+class Metrics:
+    def __init__(self, engine_stats: Callable[[], Any]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("verbatim_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=self.registry)
+        self.latency = Histogram("verbatim_http_request_seconds", "HTTP request latency by route",
+                                 ["route"], registry=self.registry)
+        self.completions = Counter("verbatim_completions", "Completions by API, determinism and status",
+                                   ["api", "deterministic", "status"], registry=self.registry)
+        self.tokens = Counter("verbatim_tokens", "Tokens served, by kind (prompt / completion)",
+                              ["kind"], registry=self.registry)
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def completion(self, api: str, deterministic: bool, status: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self.completions.labels(api, str(deterministic).lower(), status).inc()
+        self.tokens.labels("prompt").inc(prompt_tokens)
+        self.tokens.labels("completion").inc(completion_tokens)

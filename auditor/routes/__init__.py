@@ -1,0 +1,16 @@
+"""Route modules. ``default_route_handlers()`` is what ``create_app`` mounts; later issues (replay,
+reports, UI) add their controllers to this list or pass extra ones to ``create_app(routes=...)``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def default_route_handlers() -> list[Any]:
+    from auditor.routes.completions import CompletionsController
+    from auditor.routes.health import ROUTES
+    from auditor.routes.keys import KeysController
+    from auditor.routes.log import LogController
+    from auditor.routes.transcripts import TranscriptsController
+
+    return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController]

@@ -1,0 +1,81 @@
+"""The public log: ``GET /v1/log/checkpoint``, ``/v1/log/proofs/inclusion``, ``/v1/log/proofs/consistency``.
+
+No key needed: checkpoints and proofs disclose only hashes. Proofs default to the latest checkpoint's
+tree size, so a client can check them against the checkpoint it just fetched.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from litestar import Controller, get
+from litestar.di import Provide
+from litestar.params import Parameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from auditor import repository
+from auditor.errors import bad_request, not_found
+from auditor.merkle import ProofError
+from auditor.routes.deps import Services, provide_db_session
+
+
+class LogController(Controller):
+    path = "/v1/log"
+    dependencies = {"db_session": Provide(provide_db_session)}
+
+    @get("/checkpoint")
+    async def checkpoint(self, services: Services, db_session: AsyncSession) -> dict[str, Any]:
+        checkpoint = await services.ledger.checkpoint(db_session)
+        return {"origin": services.ledger.origin, **checkpoint.to_json()}
+
+    @get("/proofs/inclusion")
+    async def inclusion(
+        self,
+        services: Services,
+        db_session: AsyncSession,
+        index: int | None = Parameter(default=None, ge=0),
+        tree_size: int | None = Parameter(default=None, ge=1),
+        envelope_digest: str | None = None,
+    ) -> dict[str, Any]:
+        if (index is None) == (envelope_digest is None):
+            raise bad_request("give exactly one of index or envelope_digest", param="index")
+        if index is None:
+            index = await _index_of(db_session, envelope_digest or "")
+        size = tree_size or (await services.ledger.checkpoint(db_session)).tree_size
+        if index >= size:
+            raise bad_request(f"index {index} is not below tree_size {size}", param="index")
+        try:
+            proof = await services.ledger.inclusion_proof(db_session, index, size)
+            leaf = await services.ledger.leaf_hash(db_session, index, size)
+        except (ProofError, ValueError) as exc:
+            raise bad_request(str(exc), param="tree_size") from None
+        return {**proof.to_json(), "leaf_hash": base64.b64encode(leaf).decode("ascii")}
+
+    @get("/proofs/consistency")
+    async def consistency(
+        self,
+        services: Services,
+        db_session: AsyncSession,
+        first: int = Parameter(ge=1),
+        second: int | None = Parameter(default=None, ge=1),
+    ) -> dict[str, Any]:
+        size = second or (await services.ledger.checkpoint(db_session)).tree_size
+        if first > size:
+            raise bad_request(f"first ({first}) must not exceed second ({size})", param="first")
+        try:
+            proof = await services.ledger.consistency_proof(db_session, first, size)
+        except (ProofError, ValueError) as exc:
+            raise bad_request(str(exc), param="second") from None
+        return proof.to_json()
+
+
+async def _index_of(session: AsyncSession, envelope_digest: str) -> int:
+    try:
+        entry = bytes.fromhex(envelope_digest)
+    except ValueError:
+        raise bad_request("envelope_digest must be 64 hex characters", param="envelope_digest") from None
+    leaf = await repository.leaf_for_entry(session, entry)
+    if leaf is None:
+        raise not_found(f"no log entry with envelope digest {envelope_digest}")
+    return leaf.index

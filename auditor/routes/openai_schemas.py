@@ -1,0 +1,202 @@
+"""OpenAI request bodies (typed with msgspec) and their conversion to a ``GenerationRequest``.
+
+Decoding is strict: wrong types, unknown fields and malformed JSON become a 400 naming the field;
+range checks are left to ``SamplingParams.validate`` / ``engine.validate`` (also 400, mapped by the
+service), so there is one source of truth for limits.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from auditor.errors import ApiError, bad_request
+from auditor.service import GenerationRequest
+from auditor.transcript import Api
+
+
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
+    include_usage: bool = False
+
+
+class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions (send with the openai client's extra_body):
+    deterministic: bool | None = None
+    top_k: int | None = None
+    ignore_eos: bool = False
+
+
+class CompletionBody(_Common, kw_only=True):
+    prompt: str | list[Any]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class ChatBody(_Common, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+
+
+CHAT_DEFAULT_MAX_TOKENS = 256
+
+_AT = re.compile(r"at `\$\.?([^`]*)`")
+_FIELD = re.compile(r"field `([^`]+)`")
+
+
+def decode(raw: bytes, kind: type[CompletionBody] | type[ChatBody]) -> CompletionBody | ChatBody:
+    """Decode a request body; every failure is a 400 naming the offending field."""
+    if not raw.strip():
+        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
+    try:
+        return msgspec.json.decode(raw, type=kind)
+    except msgspec.ValidationError as exc:
+        raise bad_request(f"invalid request: {exc}", param=_param(str(exc)), code="invalid_type") from None
+    except msgspec.DecodeError as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+def _param(message: str) -> str | None:
+    field = _FIELD.search(message)
+    at = _AT.search(message)
+    path = at.group(1) if at else ""
+    if field:
+        return f"{path}.{field.group(1)}" if path else field.group(1)
+    return path or None
+
+
+def _unsupported(body: _Common) -> None:
+    if body.n != 1:
+        raise bad_request(f"n must be 1 (got {body.n}); one choice per request", param="n")
+    if body.presence_penalty != 0.0 or body.frequency_penalty != 0.0:
+        raise bad_request("presence_penalty and frequency_penalty are not supported (must be 0)",
+                          param="presence_penalty" if body.presence_penalty else "frequency_penalty")
+    if body.logit_bias:
+        raise bad_request("logit_bias is not supported", param="logit_bias")
+
+
+def _stop(stop: str | list[str] | None) -> list[str] | None:
+    if stop is None:
+        return None
+    stops = [stop] if isinstance(stop, str) else stop
+    if len(stops) > 4 or any(not s for s in stops):
+        raise bad_request("stop must be at most 4 non-empty strings", param="stop")
+    return stops
+
+
+def _prompt(prompt: str | list[Any]) -> str | list[int]:
+    if isinstance(prompt, str):
+        return prompt
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0]
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return list(prompt)
+    raise bad_request("prompt must be a string, a list of one string, or a list of token ids (one prompt per request)",
+                      param="prompt")
+
+
+def completion_request(body: CompletionBody, deterministic_default: bool) -> GenerationRequest:
+    _unsupported(body)
+    if body.echo or body.suffix is not None or body.best_of not in (None, 1):
+        raise bad_request("echo, suffix and best_of are not supported",
+                          param="echo" if body.echo else "suffix" if body.suffix is not None else "best_of")
+    return GenerationRequest(
+        api=Api.COMPLETIONS,
+        model=body.model,
+        prompt=_prompt(body.prompt),
+        messages=None,
+        max_tokens=16 if body.max_tokens is None else body.max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=_stop(body.stop),
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+        deterministic=deterministic_default if body.deterministic is None else body.deterministic,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        request_json=msgspec.to_builtins(body),
+    )
+
+
+def _message_text(message: ChatMessage, index: int) -> dict[str, str]:
+    if message.role not in ("system", "user", "assistant", "developer"):
+        raise bad_request(f"messages[{index}].role {message.role!r} is not supported",
+                          param=f"messages[{index}].role")
+    content = message.content
+    if isinstance(content, list):
+        if any(part.type != "text" or part.text is None for part in content):
+            raise bad_request("only text content parts are supported", param=f"messages[{index}].content")
+        content = "".join(part.text or "" for part in content)
+    role = "system" if message.role == "developer" else message.role
+    return {"role": role, "content": content or ""}
+
+
+def chat_request(body: ChatBody, deterministic_default: bool) -> GenerationRequest:
+    _unsupported(body)
+    if body.tools:
+        raise bad_request("tools are not supported", param="tools")
+    if body.response_format not in (None, {"type": "text"}):
+        raise bad_request("only response_format {'type': 'text'} is supported", param="response_format")
+    if not body.messages:
+        raise bad_request("messages must contain at least one message", param="messages")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    top_logprobs = body.top_logprobs if body.top_logprobs is not None else 0
+    return GenerationRequest(
+        api=Api.CHAT_COMPLETIONS,
+        model=body.model,
+        prompt=None,
+        messages=[_message_text(m, i) for i, m in enumerate(body.messages)],
+        max_tokens=CHAT_DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=_stop(body.stop),
+        ignore_eos=body.ignore_eos,
+        logprobs=top_logprobs if body.logprobs else None,
+        deterministic=deterministic_default if body.deterministic is None else body.deterministic,
+        stream=body.stream,
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        request_json=msgspec.to_builtins(body),
+    )
+
+
+def check_model(requested: str, served: str) -> None:
+    if requested != served:
+        raise ApiError(404, f"model {requested!r} does not exist; this server serves {served!r}",
+                       param="model", code="model_not_found")

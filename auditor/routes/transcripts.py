@@ -1,0 +1,63 @@
+"""``GET /v1/transcripts`` (tenant-scoped, filtered, paginated) and ``GET /v1/transcripts/{id}``."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any, Literal
+
+from litestar import Controller, get
+from litestar.di import Provide
+from litestar.params import Parameter
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from auditor import queries
+from auditor.auth import Principal
+from auditor.errors import bad_request
+from auditor.repository import TranscriptFilter
+from auditor.routes.deps import Services, provide_db_session, provide_principal
+
+
+class TranscriptsController(Controller):
+    path = "/v1/transcripts"
+    dependencies = {"principal": Provide(provide_principal), "db_session": Provide(provide_db_session)}
+
+    @get("/")
+    async def list_transcripts(
+        self,
+        db_session: AsyncSession,
+        principal: Principal,
+        limit: int = Parameter(default=20, ge=1, le=queries.MAX_PAGE),
+        after: str | None = None,
+        order: Literal["asc", "desc"] = "desc",
+        model: str | None = None,
+        deterministic: bool | None = None,
+        status: str | None = None,
+        since: dt.datetime | None = None,
+        until: dt.datetime | None = None,
+    ) -> dict[str, Any]:
+        where = TranscriptFilter(principal.tenant, model, deterministic, status, _aware(since, "since"),
+                                 _aware(until, "until"))
+        page = await queries.transcript_page(db_session, principal, where, after=after, limit=limit,
+                                             descending=order == "desc")
+        return page.to_json()
+
+    @get("/{transcript_id:str}")
+    async def get_transcript(
+        self,
+        transcript_id: str,
+        services: Services,
+        db_session: AsyncSession,
+        principal: Principal,
+        include_content: bool = False,
+        verify: bool = False,
+    ) -> dict[str, Any]:
+        return await queries.transcript_document(db_session, services.ledger, services.keyring, principal,
+                                                 transcript_id, include_content=include_content, verify=verify)
+
+
+def _aware(value: dt.datetime | None, name: str) -> dt.datetime | None:
+    if value is None:
+        return None
+    if value.tzinfo is None:
+        raise bad_request(f"{name} must carry a time zone (e.g. 2026-01-01T00:00:00Z)", param=name)
+    return value.astimezone(dt.UTC)

@@ -1,0 +1,244 @@
+"""The completion service: prepare (tokenize, validate) → generate on the engine → record the signed
+transcript in the ledger. HTTP-free: the routes turn its results into OpenAI responses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import datetime as dt
+import logging
+import re
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from engine.sampling import SamplingParams
+
+from auditor.errors import ApiError, bad_request
+from auditor.ledger import Appended, Ledger, TranscriptDraft
+from auditor.metrics import Metrics
+from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
+
+log = logging.getLogger("auditor.service")
+
+_FIELD = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][A-Za-z0-9_]*)\s*:")
+_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt",
+                "messages", "stop_token_ids")
+
+
+class Engine(Protocol):
+    """The part of ``engine.AsyncEngine`` the service uses (docs/INTERFACES.md)."""
+
+    tokenizer: Any
+    model_info: Any
+
+    def runtime_fingerprint(self) -> dict[str, str | int]: ...
+    def system_fingerprint(self) -> str: ...
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                 request_id: str | None = None) -> AsyncIterator[Any]: ...
+    async def abort(self, request_id: str) -> Any: ...
+    def stats(self) -> Any: ...
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated OpenAI request, API-independent."""
+
+    api: Api
+    model: str
+    prompt: str | list[int] | None
+    messages: list[dict[str, str]] | None
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str] | None
+    ignore_eos: bool
+    logprobs: int | None
+    deterministic: bool
+    stream: bool
+    include_usage: bool
+    request_json: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready for the engine; ``transcript_id`` is fixed before generation starts."""
+
+    request: GenerationRequest
+    transcript_id: str
+    received_at: dt.datetime
+    prompt_ids: list[int]
+    prompt_text: str
+    params: SamplingParams
+    tenant: str
+    api_key_id: str
+
+    @property
+    def seed(self) -> int | None:
+        return self.params.seed
+
+
+@dataclass(frozen=True)
+class Recorded:
+    transcript_id: str
+    log_index: int
+    replayable: bool
+    status: Status
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.transcript_id, "log_index": self.log_index, "replayable": self.replayable}
+
+
+def engine_error(exc: ValueError) -> ApiError:
+    """Map an engine ``ValueError`` (which names the field) to a 400 with ``param`` set."""
+    message = str(exc)
+    match = _FIELD.match(message)
+    param = match.group(1) if match else next((p for p in _PARAM_NAMES if p in message), None)
+    return bad_request(message, param=param)
+
+
+class CompletionService:
+    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, max_prompt_tokens: int) -> None:
+        self.engine = engine
+        self.ledger = ledger
+        self.metrics = metrics
+        self.max_prompt_tokens = max_prompt_tokens
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def model_name(self) -> str:
+        return str(self.engine.model_info.name)
+
+    # --- prepare ---------------------------------------------------------------------------------
+
+    async def prepare(self, request: GenerationRequest, tenant: str, api_key_id: str) -> Prepared:
+        received_at = dt.datetime.now(dt.UTC)
+        prompt_text, prompt_ids = await asyncio.to_thread(self._tokenize, request)
+        if len(prompt_ids) > self.max_prompt_tokens:
+            raise ApiError(413, f"prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}",
+                           param="messages" if request.messages is not None else "prompt",
+                           code="prompt_too_long")
+        seed = request.seed
+        if seed is None and request.deterministic:
+            seed = secrets.randbits(64)
+        try:
+            params = SamplingParams(
+                max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
+                top_k=request.top_k, seed=seed, stop=request.stop, ignore_eos=request.ignore_eos,
+                logprobs=request.logprobs, deterministic=request.deterministic)
+            self.engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            raise engine_error(exc) from None
+        return Prepared(request, str(uuid7()), received_at, prompt_ids, prompt_text, params, tenant, api_key_id)
+
+    def _tokenize(self, request: GenerationRequest) -> tuple[str, list[int]]:
+        tokenizer = self.engine.tokenizer
+        if request.messages is not None:
+            text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+            return text, list(tokenizer.encode(text, add_special_tokens=False))
+        if isinstance(request.prompt, list):
+            vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+            bad = [t for t in request.prompt if t < 0 or (vocab is not None and t >= vocab)]
+            if bad:
+                raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
+            return tokenizer.decode(request.prompt), list(request.prompt)
+        assert request.prompt is not None
+        return request.prompt, list(tokenizer.encode(request.prompt, add_special_tokens=False))
+
+    # --- generate --------------------------------------------------------------------------------
+
+    async def outputs(self, prepared: Prepared) -> AsyncIterator[Any]:
+        """Cumulative committed outputs; raises ``ApiError`` 400 for a late engine ``ValueError``."""
+        try:
+            async for output in self.engine.generate(prepared.prompt_ids, prepared.params, prepared.transcript_id):
+                yield output
+        except ValueError as exc:
+            raise engine_error(exc) from None
+
+    async def complete(self, prepared: Prepared) -> tuple[Any, Recorded]:
+        """Run to the end and record. If the caller is cancelled, the partial output is recorded."""
+        last = None
+        try:
+            async for output in self.outputs(prepared):
+                last = output
+        except asyncio.CancelledError:
+            self.record_disconnect(prepared, last)
+            raise
+        if last is None:
+            raise RuntimeError(f"engine produced no output for request {prepared.transcript_id}")
+        return last, await self.record_shielded(prepared, last, Status.COMPLETED)
+
+    # --- record ---------------------------------------------------------------------------------
+
+    async def record(self, prepared: Prepared, output: Any, status: Status) -> Recorded:
+        appended: Appended = await self.ledger.append(self._draft(prepared, output, status))
+        self.metrics.completion(prepared.request.api.value, prepared.params.deterministic, status.value,
+                                len(prepared.prompt_ids), len(output.token_ids))
+        log.info("transcript recorded", extra={"event": "transcript", "transcript_id": appended.transcript_id,
+                                               "tenant": prepared.tenant, "log_index": appended.log_index,
+                                               "status": status.value, "completion_tokens": len(output.token_ids)})
+        return Recorded(appended.transcript_id, appended.log_index, prepared.params.deterministic, status)
+
+    async def record_shielded(self, prepared: Prepared, output: Any, status: Status) -> Recorded:
+        """``record`` in its own task: a client leaving while the transaction runs must not cancel
+        (and so roll back) the recording of a finished generation."""
+        task = self._spawn(self.record(prepared, output, status))
+        return await asyncio.shield(task)
+
+    def _spawn(self, coroutine: Any) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        return task
+
+    def record_disconnect(self, prepared: Prepared, last_seen: Any | None) -> None:
+        """Client gone: abort the request and record what was committed, in a task of its own
+        (the caller is being cancelled or closed and cannot await)."""
+        self._spawn(self._record_disconnect(prepared, last_seen))
+
+    async def _record_disconnect(self, prepared: Prepared, last_seen: Any | None) -> None:
+        try:
+            output = await self.engine.abort(prepared.transcript_id)
+            if output is None and hasattr(self.engine, "last_output"):
+                output = self.engine.last_output(prepared.transcript_id)
+            output = output or last_seen
+            if output is None:
+                log.warning("client disconnected before any output", extra={"transcript_id": prepared.transcript_id})
+                return
+            await self.record(prepared, output, Status.CLIENT_DISCONNECTED)
+        except Exception:
+            log.exception("recording a disconnected request failed", extra={"transcript_id": prepared.transcript_id})
+
+    async def drain(self) -> None:
+        """Wait for background recordings (on shutdown)."""
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    def _draft(self, prepared: Prepared, output: Any, status: Status) -> TranscriptDraft:
+        info = self.engine.model_info
+        params = {k: v for k, v in dataclasses.asdict(prepared.params).items() if k != "seed"}
+        completed_at = dt.datetime.now(dt.UTC)
+        inputs = {
+            "transcript_id": prepared.transcript_id, "tenant": prepared.tenant, "api": prepared.request.api,
+            "received_at": _rfc3339(prepared.received_at), "completed_at": _rfc3339(completed_at),
+            "status": status,
+            "model": ModelInfo(info.name, info.weights_digest, info.tokenizer_digest,
+                               info.chat_template_digest, str(info.dtype)),
+            "runtime": self.engine.runtime_fingerprint(), "sampling_params": params,
+            "seed": int(output.seed), "deterministic": bool(output.deterministic),
+            "prompt_ids": list(prepared.prompt_ids), "output_ids": list(output.token_ids), "salt": new_salt(),
+            "finish_reason": output.finish_reason, "windows": [tuple(w) for w in output.windows],
+            "window_shape": tuple(output.window_shape), "logprobs": list(output.token_logprobs),
+            "dvr": DvrStats(output.verify_passes, output.rollbacks, output.recomputed_tokens),
+        }
+        return TranscriptDraft(inputs, prepared.api_key_id, self.engine.system_fingerprint(),
+                               prepared.request.request_json, prepared.prompt_text, output.text)
+
+
+def _rfc3339(value: dt.datetime) -> str:
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -1,0 +1,170 @@
+"""Fixtures for the service tests: migrated databases (SQLite file, PostgreSQL in a fresh schema),
+API keys, and a live uvicorn server on a free local port running ``create_app``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from auditor import auth
+from auditor.app import create_app
+from auditor.db import migrate
+from auditor.db.session import create_engine, create_sessionmaker
+from auditor.settings import Settings
+
+from tests.auditor.fake_engine import FakeAsyncEngine
+
+POSTGRES_ENV = "VERBATIM_TEST_POSTGRES_URL"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sqlite_settings(tmp: Path, **overrides: Any) -> Settings:
+    settings = Settings(data_dir=tmp, port=free_port(), **overrides)
+    migrate.upgrade(settings.resolved_database_url)
+    return settings
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------------
+
+
+def postgres_url() -> str:
+    url = os.environ.get(POSTGRES_ENV)
+    if not url:
+        pytest.skip(f"{POSTGRES_ENV} is not set; PostgreSQL tests skipped (.ci/run sets it)")
+    try:
+        asyncio.run(_pg_execute(url, "SELECT 1"))
+    except Exception as exc:  # noqa: BLE001 - any connection failure means skip
+        pytest.skip(f"PostgreSQL at {POSTGRES_ENV} unreachable ({type(exc).__name__}: {exc}); skipped")
+    return url
+
+
+async def _pg_execute(url: str, *statements: str) -> None:
+    import asyncpg
+
+    dsn = url.replace("postgresql+asyncpg://", "postgresql://")
+    connection = await asyncpg.connect(dsn, timeout=5)
+    try:
+        for statement in statements:
+            await connection.execute(statement)
+    finally:
+        await connection.close()
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[tuple[str, str]]:
+    """A fresh, empty PostgreSQL schema (dropped afterwards): (url, schema)."""
+    url = postgres_url()
+    schema = "verbatim_test_" + secrets.token_hex(6)
+    asyncio.run(_pg_execute(url, f"CREATE SCHEMA {schema}"))
+    try:
+        yield url, schema
+    finally:
+        asyncio.run(_pg_execute(url, f"DROP SCHEMA {schema} CASCADE"))
+
+
+# --- keys -----------------------------------------------------------------------------------------
+
+
+async def make_key(settings: Settings, tenant: str, role: str) -> str:
+    db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
+    try:
+        async with create_sessionmaker(db)() as session, session.begin():
+            _, secret = await auth.create_key(session, tenant, role)
+    finally:
+        await db.dispose()
+    return secret
+
+
+# --- live server ------------------------------------------------------------------------------------
+
+
+@dataclass
+class LiveServer:
+    """``create_app(settings)`` under uvicorn in a thread with its own event loop."""
+
+    settings: Settings
+    engine: Any
+    app: Any = None
+    _server: uvicorn.Server | None = None
+    _thread: threading.Thread | None = None
+    keys: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.settings.port}"
+
+    @property
+    def services(self) -> Any:
+        return self.app.state.services
+
+    def start(self) -> LiveServer:
+        self.app = create_app(self.settings, engine=self.engine)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
+                                lifespan="on", timeout_graceful_shutdown=5)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"server on port {self.settings.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def headers(self, key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    def client(self, key: str | None = None) -> httpx.AsyncClient:
+        headers = self.headers(key) if key else {}
+        return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=120)
+
+
+async def start_server(settings: Settings, engine: Any, tenants: dict[str, str] | None = None) -> LiveServer:
+    """Start a server and create one key per (name → 'tenant:role') entry of ``tenants``."""
+    server = LiveServer(settings, engine)
+    for name, spec in (tenants or {"client": "acme:client"}).items():
+        tenant, role = spec.split(":")
+        server.keys[name] = await make_key(settings, tenant, role)
+    await asyncio.to_thread(server.start)
+    return server
+
+
+DEFAULT_KEYS = {"client": "acme:client", "auditor": "acme:auditor", "admin": "acme:admin",
+                "other": "globex:client", "other_auditor": "globex:auditor"}
+
+
+@pytest.fixture
+async def fake_server(tmp_path: Path) -> AsyncIterator[LiveServer]:
+    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
+    server = await start_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+def with_port(settings: Settings) -> Settings:
+    return replace(settings, port=free_port())

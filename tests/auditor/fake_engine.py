@@ -1,0 +1,176 @@
+"""A small stand-in for ``engine.AsyncEngine`` with the exact seam of docs/INTERFACES.md.
+
+Test-only. Tokens are a pure function of (prompt ids, seed, position) when deterministic, random
+otherwise; commits arrive in windows of ``window`` tokens with a short sleep between them so that
+streaming and client disconnects can be exercised.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from engine.sampling import SamplingParams
+
+VOCAB = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [" ", ".", ","]
+EOS_ID = len(VOCAB)
+
+
+class CharTokenizer:
+    """One token per character of VOCAB; anything else maps to ' '."""
+
+    eos_token_id = EOS_ID
+    chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [VOCAB.index(c) if c in VOCAB else VOCAB.index(" ") for c in text.lower()]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(VOCAB[i] for i in ids if i < len(VOCAB))
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *, tokenize: bool = False,
+                            add_generation_prompt: bool = True, **_: Any) -> str | list[int]:
+        text = "".join(f"{m['role']} {m['content']}. " for m in messages) + "assistant "
+        return self.encode(text) if tokenize else text
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str = "fake-model"
+    weights_digest: str = "sha256:" + "11" * 32
+    tokenizer_digest: str = "sha256:" + "22" * 32
+    chat_template_digest: str = "sha256:" + "33" * 32
+    dtype: str = "float32"
+    max_model_len: int = 512
+    eos_token_ids: tuple[int, ...] = (EOS_ID,)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    seed: int = 0
+    deterministic: bool = False
+    token_logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] | None = None
+    windows: list[tuple[int, int]] = field(default_factory=list)
+    window_shape: tuple[int, int] = (4, 8)
+    verify_passes: int = 0
+    rollbacks: int = 0
+    recomputed_tokens: int = 0
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.token_logprobs if self.top_logprobs is not None else None
+
+
+@dataclass
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    verify_passes: int = 0
+    rollbacks: int = 0
+    recomputed_tokens: int = 0
+    verify_pass_seconds: float = 0.0
+
+
+class FakeAsyncEngine:
+    def __init__(self, *, window: int = 8, group: int = 4, step_delay: float = 0.002) -> None:
+        self.tokenizer = CharTokenizer()
+        self.model_info = ModelInfo()
+        self.window = window
+        self.group = group
+        self.step_delay = step_delay
+        self._last: dict[str, RequestOutput] = {}
+        self._stats = EngineStats()
+        self.started = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def shutdown(self) -> None:
+        self.started = False
+
+    def runtime_fingerprint(self) -> dict[str, str | int]:
+        return {"engine_version": "fake-0", "torch": "none", "device": "cpu", "mode": "dvr",
+                "window": self.window, "group": self.group, "sampler": "fake-v1", "threads": 1}
+
+    def system_fingerprint(self) -> str:
+        return "fp_" + "0123456789ab"
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not prompt_token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        if len(prompt_token_ids) + params.max_tokens > self.model_info.max_model_len:
+            raise ValueError(
+                f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
+                f"exceeds max_model_len {self.model_info.max_model_len}"
+            )
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or secrets.token_hex(8)
+        seed = params.seed if params.seed is not None else secrets.randbits(64)
+        out = RequestOutput(request_id, list(prompt_token_ids), seed=seed, deterministic=params.deterministic,
+                            window_shape=(self.group, self.window),
+                            top_logprobs=[] if params.logprobs is not None else None)
+        self._last[request_id] = out
+        self._stats.running += 1
+        self._stats.prompt_tokens += len(prompt_token_ids)
+        try:
+            while not out.finished:
+                await asyncio.sleep(self.step_delay)
+                self._commit(out, params)
+                yield replace(out, token_ids=list(out.token_ids), token_logprobs=list(out.token_logprobs),
+                              windows=list(out.windows))
+        finally:
+            self._stats.running -= 1
+            if not out.finished:
+                out.finish_reason = "abort"
+
+    def _token(self, out: RequestOutput, params: SamplingParams, position: int) -> int:
+        material = f"{out.prompt_token_ids}|{out.seed if params.deterministic else secrets.randbits(64)}|{position}"
+        value = int.from_bytes(hashlib.sha256(material.encode()).digest()[:4], "little")
+        if not params.ignore_eos and value % 97 == 0:
+            return EOS_ID
+        return value % len(VOCAB)
+
+    def _commit(self, out: RequestOutput, params: SamplingParams) -> None:
+        start = len(out.token_ids)
+        end = min(params.max_tokens, start + (1 if start == 0 else self.window))
+        for position in range(start, end):
+            token = self._token(out, params, position)
+            if token == EOS_ID:
+                out.finished, out.finish_reason = True, "stop"
+                break
+            out.token_ids.append(token)
+            out.token_logprobs.append(-0.5 - (token % 7) / 10)
+        if start > 0 and len(out.token_ids) > start and params.deterministic:
+            out.windows.append((start, len(out.token_ids)))
+            out.verify_passes += 1
+            self._stats.verify_passes += 1
+        self._stats.generated_tokens += len(out.token_ids) - start
+        if len(out.token_ids) >= params.max_tokens and not out.finished:
+            out.finished, out.finish_reason = True, "length"
+        out.text = self.tokenizer.decode(out.token_ids)
+
+    def last_output(self, request_id: str) -> RequestOutput | None:
+        return self._last.get(request_id)
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        return self._last.get(request_id)
+
+    def stats(self) -> EngineStats:
+        return self._stats
