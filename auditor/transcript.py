@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import struct
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -332,10 +333,19 @@ def check_content(statement: Mapping[str, Any], prompt_ids: Sequence[int] | None
         checks.append(_commitment_check("output", tokens, salt, output_ids))
         checks.append(_window_chain_check(windows, salt, output_ids))
     if logprobs is not None:
-        got = cn.logprob_digest(logprobs)
-        want = windows.get("logprob_digest")
-        checks.append(Check("logprob_digest", got == want, f"digest {got} vs signed {want}"))
+        checks.append(_logprob_check(windows, logprobs))
     return checks
+
+
+def _logprob_check(windows: Mapping[str, Any], logprobs: Sequence[float]) -> Check:
+    try:
+        got = cn.logprob_digest(logprobs)
+    except (struct.error, TypeError) as exc:
+        return Check("logprob_digest", False, f"logprobs are not a list of floats: {exc}")
+    want = windows.get("logprob_digest")
+    if got != want:
+        return Check("logprob_digest", False, f"float32 logprob digest {got} differs from signed {want}")
+    return Check("logprob_digest", True, f"{len(logprobs)} logprobs match digest {want}")
 
 
 def _commitment_check(which: str, tokens: Mapping[str, Any], salt: bytes, ids: Sequence[int]) -> Check:

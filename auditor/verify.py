@@ -92,10 +92,9 @@ def _envelope_checks(kind: str, envelope: dict[str, Any], doc: dict[str, Any], j
             return [Check("signature", False, f"{type(exc).__name__}: {exc}")]
         return [Check("signature", True, f"replay attestation, result {st['predicate']['result']!r}")]
     content = _content(doc)
-    if isinstance(content, Check):
-        return [content]
-    result = verify_transcript(envelope, jwks, **content)
-    checks = list(result.checks)
+    bad_content = [content] if isinstance(content, Check) else []
+    result = verify_transcript(envelope, jwks, **({} if bad_content else content))
+    checks = list(result.checks) + bad_content
     if result.statement is not None and doc.get("windows") is not None:
         checks.append(_windows_check(doc["windows"], result.statement))
     return checks
@@ -104,14 +103,18 @@ def _envelope_checks(kind: str, envelope: dict[str, Any], doc: dict[str, Any], j
 def _content(doc: Mapping[str, Any]) -> dict[str, Any] | Check:
     try:
         salt = bytes.fromhex(doc["salt"]) if doc.get("salt") is not None else None
+        prompt_ids, output_ids = _ids(doc.get("prompt_token_ids")), _ids(doc.get("token_ids"))
     except (TypeError, ValueError) as exc:
-        return Check("content", False, f"salt must be 64 hex chars: {exc}")
-    return {"prompt_ids": _ids(doc.get("prompt_token_ids")), "output_ids": _ids(doc.get("token_ids")),
-            "salt": salt, "logprobs": doc.get("token_logprobs")}
+        return Check("content", False, f"salt must be 64 hex chars and token ids int lists: {exc}")
+    return {"prompt_ids": prompt_ids, "output_ids": output_ids, "salt": salt, "logprobs": doc.get("token_logprobs")}
 
 
 def _ids(value: Any) -> list[int] | None:
-    return None if value is None else list(value)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"token ids must be a list of ints, got {value!r:.80}")
+    return value
 
 
 def _windows_check(windows: Any, statement: Mapping[str, Any]) -> Check:
