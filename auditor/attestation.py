@@ -105,7 +105,7 @@ def verify_replay_attestation(envelope: Mapping[str, Any], jwks: Mapping[str, An
     Returns the Statement; raises ``CryptoError`` / ``ValueError`` with the reason otherwise.
     """
     _, statement = open_statement(envelope, jwks, REPLAY_PREDICATE, KeyRole.REPLAY)
-    subject = statement["subject"][0]["digest"]["sha256"]
+    subject = statement["subject"][0]["digest"]["sha256"]  # shape checked by open_statement
     if transcript_payload_digest is not None and subject != transcript_payload_digest:
         raise ValueError(f"attestation is about transcript payload {subject}, not {transcript_payload_digest}")
     return statement

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import base64
 import binascii
+import fcntl
 import json
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -245,6 +247,8 @@ def _envelope_parts(envelope: Mapping[str, Any]) -> tuple[bytes, str, list[Mappi
     missing = [f for f in ("payload", "payloadType", "signatures") if f not in envelope]
     if missing:
         raise EnvelopeError(f"envelope lacks {missing}")
+    if not isinstance(envelope["payloadType"], str):
+        raise EnvelopeError(f"payloadType must be a string, got {type(envelope['payloadType']).__name__}")
     sigs = envelope["signatures"]
     if not isinstance(sigs, list) or not sigs:
         raise EnvelopeError("envelope has no signatures")
@@ -327,13 +331,14 @@ class KeyRing:
     def open(cls, key_dir: Path | str) -> KeyRing:
         key_dir = Path(key_dir)
         key_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        ring = cls(key_dir, _read_manifest(key_dir), {})
-        for entry in ring._entries:
-            if entry.status is KeyStatus.ACTIVE:
-                ring._signers[entry.role] = ring._load(entry)
-        for role in KeyRole:
-            if role not in ring._signers:
-                ring._add(Signer.generate(role))
+        with _locked(key_dir):
+            ring = cls(key_dir, _read_manifest(key_dir), {})
+            for entry in ring._entries:
+                if entry.status is KeyStatus.ACTIVE:
+                    ring._signers[entry.role] = ring._load(entry)
+            for role in KeyRole:
+                if role not in ring._signers:
+                    ring._add(Signer.generate(role))
         return ring
 
     def _load(self, entry: _KeyEntry) -> Signer:
@@ -353,12 +358,18 @@ class KeyRing:
         return self._signers[KeyRole(role)]
 
     def rotate(self, role: KeyRole) -> Signer:
-        """Retire the active key of ``role`` (its public key stays published) and make a new one."""
+        """Retire the active key of ``role`` (its public key stays published) and make a new one.
+
+        Other processes holding an open ``KeyRing`` keep signing with the retired key until they
+        reopen it; their signatures stay verifiable because retired keys remain in the JWKS.
+        """
         role = KeyRole(role)
-        for entry in self._entries:
-            if entry.role is role and entry.status is KeyStatus.ACTIVE:
-                entry.status, entry.retired_at = KeyStatus.RETIRED, _now()
-        self._add(Signer.generate(role))
+        with _locked(self.key_dir):
+            self._entries = _read_manifest(self.key_dir)
+            for entry in self._entries:
+                if entry.role is role and entry.status is KeyStatus.ACTIVE:
+                    entry.status, entry.retired_at = KeyStatus.RETIRED, _now()
+            self._add(Signer.generate(role))
         return self._signers[role]
 
     def verifier_keys(self) -> dict[str, VerifierKey]:
@@ -374,6 +385,17 @@ class KeyRing:
 
     def __reduce__(self) -> Any:
         raise TypeError("KeyRing holds private keys and cannot be pickled")
+
+
+@contextmanager
+def _locked(key_dir: Path) -> Iterator[None]:
+    """An exclusive advisory lock on the key directory (two processes starting at once)."""
+    fd = os.open(key_dir / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _read_manifest(key_dir: Path) -> list[_KeyEntry]:

@@ -254,7 +254,18 @@ def open_statement(envelope: Mapping[str, Any], jwks: Mapping[str, Any], predica
     if statement.get("_type") != STATEMENT_TYPE or statement.get("predicateType") != predicate_type:
         raise ValueError(f"statement type {statement.get('_type')!r} / predicateType "
                          f"{statement.get('predicateType')!r}, expected {STATEMENT_TYPE!r} / {predicate_type!r}")
+    if not isinstance(statement.get("predicate"), dict) or not _subject_digest(statement):
+        raise ValueError("statement lacks a predicate object or a subject with a sha256 digest")
     return payload, statement
+
+
+def _subject_digest(statement: Mapping[str, Any]) -> str | None:
+    subjects = statement.get("subject")
+    if not isinstance(subjects, list) or not subjects or not isinstance(subjects[0], dict):
+        return None
+    digest = subjects[0].get("digest")
+    value = digest.get("sha256") if isinstance(digest, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def _parse_statement(payload: bytes) -> dict[str, Any]:
@@ -296,7 +307,7 @@ def _keyids(envelope: Mapping[str, Any]) -> str:
 
 def check_chain_fields(statement: Mapping[str, Any]) -> Check:
     """The hash-chain fields: id, tenant, sequence >= 1, previous_digest None iff sequence == 1."""
-    t = statement.get("predicate", {}).get("transcript")
+    t = statement["predicate"].get("transcript")
     if not isinstance(t, dict):
         return Check("hash_chain_fields", False, "predicate.transcript is missing")
     problems = _chain_problems(t)
@@ -325,7 +336,7 @@ def check_content(statement: Mapping[str, Any], prompt_ids: Sequence[int] | None
                   logprobs: Sequence[float] | None) -> list[Check]:
     """Commitment, count, window-chain and logprob checks for whatever content was supplied."""
     pred = statement["predicate"]
-    tokens, windows = pred.get("tokens", {}), pred.get("windows", {})
+    tokens, windows = pred.get("tokens") or {}, pred.get("windows") or {}
     checks: list[Check] = []
     if salt is not None and prompt_ids is not None:
         checks.append(_commitment_check("prompt", tokens, salt, prompt_ids))

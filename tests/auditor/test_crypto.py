@@ -155,3 +155,22 @@ def test_parse_jwks_rejects_wrong_kid(ring: KeyRing) -> None:
         cr.parse_jwks(doc)
     with pytest.raises(cr.JwksError, match="no 'keys' list"):
         cr.parse_jwks({})
+
+
+def _open_and_list(key_dir: str) -> list[str]:
+    return sorted(KeyRing.open(key_dir).verifier_keys())
+
+
+def test_concurrent_first_open_creates_one_key_per_role(tmp_path: Path) -> None:
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        results = pool.map(_open_and_list, [str(tmp_path / "k")] * 4)
+    assert all(r == results[0] for r in results) and len(results[0]) == len(KeyRole)
+
+
+def test_envelope_payload_type_must_be_string(ring: KeyRing) -> None:
+    env = cr.sign_envelope(b"x", "t", ring.signer(KeyRole.TRANSCRIPT))
+    with pytest.raises(cr.EnvelopeError, match="payloadType must be a string"):
+        cr.verify_envelope(_tampered(env, payloadType=5), cr.parse_jwks(ring.jwks()))

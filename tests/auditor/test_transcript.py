@@ -220,3 +220,10 @@ def test_transcript_envelope_is_not_a_replay_attestation(ring: KeyRing) -> None:
 def test_frozen_inputs() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
         make_inputs().seed = 1  # type: ignore[misc]
+
+
+def test_signed_but_malformed_statement_reported(ring: KeyRing) -> None:
+    bad = {"_type": tr.STATEMENT_TYPE, "predicateType": tr.TRANSCRIPT_PREDICATE, "subject": [], "predicate": {}}
+    _, envelope = tr.sign_statement(bad, ring, KeyRole.TRANSCRIPT)
+    result = tr.verify_transcript(envelope, ring.jwks(), output_ids=[1], salt=SALT)
+    assert not result.ok and "lacks a predicate object or a subject" in result.checks[0].detail
