@@ -21,7 +21,8 @@ _ENGINE_COUNTERS = {
     "verify_passes": "DVR verify passes run",
     "rollbacks": "DVR rollbacks (candidate mismatches)",
     "recomputed_tokens": "Candidate tokens discarded by rollbacks",
-    "verify_pass_seconds": "Seconds spent in verify passes",
+    "verify_seconds": "Seconds spent in verify passes",
+    "preemptions": "Requests preempted for lack of KV blocks",
 }
 _ENGINE_GAUGES = {"running": "Requests running in the engine", "waiting": "Requests queued in the engine"}
 

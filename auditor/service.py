@@ -28,6 +28,9 @@ _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "
                 "messages", "stop_token_ids")
 
 
+_ENGINE_TO_API = {"prompt_token_ids": "prompt", "request_id": None}
+
+
 class Engine(Protocol):
     """The part of ``engine.AsyncEngine`` the service uses (docs/INTERFACES.md)."""
 
@@ -99,7 +102,7 @@ def engine_error(exc: ValueError) -> ApiError:
     message = str(exc)
     match = _FIELD.match(message)
     param = match.group(1) if match else next((p for p in _PARAM_NAMES if p in message), None)
-    return bad_request(message, param=param)
+    return bad_request(message, param=_ENGINE_TO_API.get(param or "", param))
 
 
 class CompletionService:

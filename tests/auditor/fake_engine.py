@@ -81,7 +81,7 @@ class EngineStats:
     verify_passes: int = 0
     rollbacks: int = 0
     recomputed_tokens: int = 0
-    verify_pass_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
 
 class FakeAsyncEngine:
@@ -112,6 +112,9 @@ class FakeAsyncEngine:
         params.validate()
         if not prompt_token_ids:
             raise ValueError("prompt: must contain at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < len(VOCAB)]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {len(VOCAB)}), got {bad[:5]}")
         if len(prompt_token_ids) + params.max_tokens > self.model_info.max_model_len:
             raise ValueError(
                 f"max_tokens: prompt ({len(prompt_token_ids)}) + max_tokens ({params.max_tokens}) "
