@@ -40,6 +40,12 @@ class Checkpoint:
     root_hash: bytes
     extensions: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.tree_size, int) or self.tree_size < 0:
+            raise CheckpointError(f"tree size must be an int >= 0, got {self.tree_size!r}")
+        if not isinstance(self.root_hash, bytes) or len(self.root_hash) != 32:
+            raise CheckpointError(f"root hash must be 32 bytes, got {self.root_hash!r:.40}")
+
     def body(self) -> str:
         """The note text (every line newline-terminated)."""
         _check_line(self.origin, "origin")

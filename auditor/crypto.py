@@ -268,9 +268,11 @@ def verify_envelope(
 ) -> bytes:
     """Return the exact payload bytes if any signature verifies with a key in ``keys``.
 
+    ``keys`` is a parsed ``{kid: VerifierKey}`` mapping or a JWKS document.
     The key must have ``role`` when given (retired keys still verify). Raises ``EnvelopeError`` for
     a malformed envelope or unexpected payload type, ``SignatureError`` naming every keyid tried.
     """
+    keys = as_verifier_keys(keys)
     payload, ptype, sigs = _envelope_parts(envelope)
     if payload_type is not None and ptype != payload_type:
         raise EnvelopeError(f"payloadType is {ptype!r}, expected {payload_type!r}")

@@ -109,3 +109,12 @@ def test_extra_unknown_signature_is_ignored(ring: KeyRing) -> None:
 def test_malformed_bodies(text: str, match: str) -> None:
     with pytest.raises(ck.CheckpointError, match=match):
         ck.Checkpoint.parse(text)
+
+
+def test_checkpoint_fields_validated() -> None:
+    with pytest.raises(ck.CheckpointError, match="tree size must be"):
+        ck.Checkpoint(ORIGIN, -1, bytes(32))
+    with pytest.raises(ck.CheckpointError, match="root hash must be 32 bytes"):
+        ck.Checkpoint(ORIGIN, 1, bytes(31))
+    with pytest.raises(ck.CheckpointError, match="single line"):
+        ck.Checkpoint("two\nlines", 1, bytes(32)).body()

@@ -60,6 +60,7 @@ def test_sign_envelope_verifies_independently(ring: KeyRing) -> None:
     assert _independent_verify(env, ring.jwks()) == b'{"a":1}'
     keys = cr.parse_jwks(ring.jwks())
     assert cr.verify_envelope(env, keys, role=KeyRole.TRANSCRIPT) == b'{"a":1}'
+    assert cr.verify_envelope(env, ring.jwks(), role=KeyRole.TRANSCRIPT) == b'{"a":1}'
 
 
 def _tampered(env: dict, **changes: object) -> dict:
