@@ -107,6 +107,7 @@ def upgrade() -> None:
     sa.Column('key_id', sa.String(length=64), nullable=False),
     sa.Column('api_key_id', sa.String(length=32), nullable=True),
     sa.Column('envelope', sa.LargeBinary(), nullable=False),
+    sa.Column('payload_digest', sa.String(length=64), nullable=False),
     sa.Column('envelope_digest', sa.String(length=64), nullable=False),
     sa.Column('log_index', sa.BigInteger(), nullable=False),
     sa.Column('created_at', sa.DateTime(timezone=True), nullable=False),
