@@ -1,0 +1,98 @@
+"""Gather a report's inputs from the database and the ledger (async; no rendering here)."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+from collections.abc import Callable
+
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from auditor import merkle, repository
+from auditor.checkpoint import Checkpoint, sign_checkpoint
+from auditor.crypto import KeyRing, KeyRole
+from auditor.db.models import ReplayJob, TranscriptContent
+from auditor.ledger import Ledger
+from auditor.reports import store
+from auditor.reports.inputs import (
+    AccessEntry,
+    BundleInputs,
+    LogEvidence,
+    ReplayEntry,
+    ReportFilters,
+    TranscriptContent as Content,
+    TranscriptEntry,
+)
+from auditor.repository import TranscriptFilter, utc
+
+Progress = Callable[[str, int, int], None]
+"""``progress(stage, done, total)``; the CLI draws a bar with it."""
+
+
+def _no_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+async def _checkpoint_note(session: AsyncSession, ledger: Ledger, keyring: KeyRing, size: int) -> str:
+    """The stored signed checkpoint for ``size``; a size without one (0, or never stored) is signed now."""
+    row = await repository.checkpoint_at(session, size)
+    if row is not None:
+        return row.note
+    root = merkle.EMPTY_ROOT if size == 0 else (await ledger.tree_for(session, size)).root(size)
+    return sign_checkpoint(Checkpoint(ledger.origin, size, root), keyring.signer(KeyRole.CHECKPOINT))
+
+
+def _content(row: TranscriptContent | None) -> Content | None:
+    if row is None:
+        return None
+    return Content(bytes(row.salt), list(row.prompt_token_ids), list(row.output_token_ids),
+                   list(row.token_logprobs), row.prompt_text, row.output_text)
+
+
+def _attested_verdict(attestation: dict | None) -> str | None:
+    """The verdict as signed in the attestation (the bundle verifier checks the signature)."""
+    if attestation is None:
+        return None
+    try:
+        return str(json.loads(base64.b64decode(attestation["payload"]))["predicate"]["result"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+async def _replay(session: AsyncSession, ledger: Ledger, job: ReplayJob, end_size: int) -> ReplayEntry:
+    attestation = json.loads(job.attestation) if job.attestation else None
+    proof = None
+    if attestation is not None and job.log_index is not None and job.log_index < end_size:
+        proof = await ledger.inclusion_proof(session, job.log_index, end_size)
+    verdict = _attested_verdict(attestation)
+    return ReplayEntry(job.id, job.transcript_id, job.status, verdict, job.result, job.requested_by, utc(job.created_at),
+                       utc(job.finished_at) if job.finished_at else None, attestation,
+                       job.log_index if proof else None, proof)
+
+
+async def collect(session: AsyncSession, ledger: Ledger, keyring: KeyRing, filters: ReportFilters, *,
+                  report_id: str, generator_version: str, now: dt.datetime,
+                  progress: Progress = _no_progress) -> BundleInputs:
+    """Everything ``build_bundle`` needs for ``filters`` as of the ledger's latest checkpoint."""
+    end = await ledger.checkpoint(session)
+    where = TranscriptFilter(filters.tenant, filters.model, True if filters.deterministic_only else None,
+                             None, filters.since, filters.until)
+    rows = [r for r in await store.transcripts(session, where) if r.log_index < end.tree_size]
+    contents = await store.contents(session, [r.id for r in rows]) if filters.include_content else {}
+    entries = []
+    for i, row in enumerate(rows):
+        proof = await ledger.inclusion_proof(session, row.log_index, end.tree_size)
+        entries.append(TranscriptEntry(json.loads(row.envelope), row.log_index, proof, _content(contents.get(row.id))))
+        progress("transcripts", i + 1, len(rows))
+    start_size = await store.log_size_before(session, filters.since) if filters.since else 0
+    start_size = min(start_size, end.tree_size)
+    consistency = await ledger.consistency_proof(session, start_size, end.tree_size)
+    jobs = await store.replay_jobs(session, filters.tenant, [r.id for r in rows])
+    replays = [await _replay(session, ledger, job, end.tree_size) for job in jobs]
+    access = await store.access_rows(session, filters.tenant, filters.since, filters.until)
+    return BundleInputs(
+        report_id=report_id, filters=filters, transcripts=entries, replays=replays,
+        access_log=[AccessEntry(utc(a.at), a.key_id, a.tenant, a.action, a.target) for a in access],
+        log=LogEvidence(await _checkpoint_note(session, ledger, keyring, start_size), end.note, consistency),
+        jwks=keyring.jwks(), generator_version=generator_version, created_at=now)

@@ -1,0 +1,3 @@
+"""Auditor web console (placeholder)."""
+
+UI_ROUTES: list = []
