@@ -7,7 +7,9 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.model_runner import ModelShape, PagedModel
+import torch
+
+from engine.model_runner import ModelShape, PagedModel, load_model
 from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -19,10 +21,10 @@ class LLM:
     """`LLM()` loads the default model; `LLM(EngineConfig(...))` or `LLM(model="path", window=16)`."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
-        from engine.loader import load_engine_model  # heavy imports only when a real model is loaded
-
         config = config or EngineConfig(**overrides)
-        loaded = load_engine_model(config)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        loaded = load_model(config)
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
         self.core = EngineCore(config, loaded.model, loaded.shape, set(loaded.info.eos_token_ids),

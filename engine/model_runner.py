@@ -125,3 +125,29 @@ class ModelRunner:
             lens.append(row.start_pos + n)
             tables.append(row.block_table or [ZERO_BLOCK])
         return ids, pos, slots, starts, lens, tables
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PagedModel
+    shape: ModelShape
+    tokenizer: object
+    info: object            # engine.loader.ModelInfo (name, digests, dtype, max_model_len, eos ids)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    """Resolve config.model through the loader, build our own forward and load the weights."""
+    from pathlib import Path
+
+    from engine.loader import load_model_source
+    from engine.models import arch_from_hf, build_model
+
+    dtype, device = config.resolved_dtype, config.resolved_device
+    cache = Path(config.cache_dir) if config.cache_dir else None
+    source = load_model_source(config.model, dtype, cache)
+    arch = arch_from_hf(source.hf_config)
+    model = build_model(source.hf_config, dtype, device, config.attention_backend)
+    model.load_weights(source.weights())
+    shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                       vocab_size=arch.vocab_size, max_model_len=source.info.max_model_len)
+    return LoadedModel(model, shape, source.tokenizer, source.info)

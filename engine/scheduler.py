@@ -70,7 +70,8 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
     def schedule(self) -> Plan:
         self.step_index += 1
-        for plan in (self._plan_prefill(), self._plan_verify(), self._plan_decode()):
+        for planner in (self._plan_prefill, self._plan_verify, self._plan_decode):
+            plan = planner()
             if plan is not None:
                 return plan
         if self.running:  # nothing decodes and the verifier waits: force the ready rows through

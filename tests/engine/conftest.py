@@ -39,3 +39,52 @@ def tiny_llama_dir(tmp_path_factory, smollm2_source):
     LlamaForCausalLM(config).save_pretrained(folder)
     smollm2_source.tokenizer.save_pretrained(folder)
     return folder
+
+
+# --- engine-core fixtures (scheduler / DVR / LLM) ------------------------------------------------
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+# Two shared cores: one intra-op thread avoids OpenMP barriers stalling on a busy sibling core.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def smollm2_shape(smollm2_source: Any) -> Any:
+    from engine.model_runner import ModelShape
+    from engine.models import arch_from_hf
+
+    arch = arch_from_hf(smollm2_source.hf_config)
+    return ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
+                      smollm2_source.info.max_model_len)
+
+
+@pytest.fixture(scope="session")
+def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -> Callable[..., Any]:
+    """make_real_llm(**EngineConfig fields) -> LLM over the shared SmolLM2 weights (own KV cache)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+
+    def make(**cfg: Any) -> LLM:
+        cfg.setdefault("num_kv_blocks", 130)
+        return LLM.from_parts(EngineConfig(**cfg), smollm2_model, smollm2_shape,
+                              set(smollm2_source.info.eos_token_ids), smollm2_source.tokenizer)
+
+    return make
+
+
+@pytest.fixture
+def make_mock_llm() -> Callable[..., Any]:
+    """make_mock_llm(**EngineConfig fields) -> LLM over a tiny mock model (noisy fast path)."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from tests.engine.mock_model import MockModel
+
+    def make(model_seed: int = 0, **cfg: Any) -> LLM:
+        model = MockModel(seed=model_seed)
+        cfg.setdefault("window", 8)
+        cfg.setdefault("group", 4)
+        cfg.setdefault("num_kv_blocks", 64)
+        return LLM.from_parts(EngineConfig(**cfg), model, model.shape, {1})
+
+    return make

@@ -53,8 +53,10 @@ class MockModel:
         starts = meta.query_start_loc.tolist()
         for r in range(meta.num_rows):
             n = starts[r + 1] - starts[r]
-            table = meta.block_tables[r].long()
             first = int(meta.seq_lens[r]) - n
+            table = meta.block_tables[r].long()
+            need = -(-(first + n) // block_size)  # keys past the table read the zero block (padding)
+            table = torch.cat([table, table.new_zeros(max(0, need - table.numel()))])
             for i in range(n):
                 p = first + i
                 keys = torch.arange(p + 1)

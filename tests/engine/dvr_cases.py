@@ -1,0 +1,93 @@
+"""Workloads and checks shared by the mock-model and real-model DVR tests."""
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+from engine.llm import LLM
+from engine.replay import ReplayRequest
+from engine.sampling import SamplingParams
+from engine.scheduler import StepKind
+from engine.sequence import RequestOutput, SeqKind
+
+
+def det_workload(n: int, vocab: int, max_tokens: tuple[int, int], seed: int = 0,
+                 prompt_len: tuple[int, int] = (3, 20)) -> tuple[list[list[int]], list[SamplingParams]]:
+    """n deterministic requests: mixed prompt lengths and max_tokens, half greedy, half sampled."""
+    rng = random.Random(seed)
+    prompts, params = [], []
+    for i in range(n):
+        prompts.append([rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_len))])
+        sampled = i % 2 == 1
+        params.append(SamplingParams(
+            max_tokens=rng.randint(*max_tokens), temperature=0.8 if sampled else 0.0,
+            top_p=0.9 if i % 4 == 1 else 1.0, top_k=20 if i % 4 == 3 else 0,
+            seed=rng.randrange(2**64) if sampled else 7, deterministic=True, ignore_eos=i % 3 != 0))
+    return prompts, params
+
+
+def fast_params(seed: int = 99, max_tokens: int = 12) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
+
+
+def one_at_a_time(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    return [llm.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+
+
+def staggered(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], every: int = 2,
+              noise_prompt: list[int] | None = None, seed: int = 0) -> list[RequestOutput]:
+    """Arrivals spread over steps, each with a non-deterministic companion request."""
+    core = llm.core
+    rng = random.Random(seed)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    seqs: dict[int, Any] = {}
+    step = 0
+    while order or core.has_work():
+        if order and step % every == 0:
+            i = order.pop()
+            seqs[i] = core.add_request(f"d{i}-{seed}", prompts[i], params[i])
+            noise = noise_prompt or prompts[i][::-1]
+            core.add_request(f"n{i}-{seed}", noise, fast_params(seed=i, max_tokens=rng.randint(3, 15)))
+        core.step()
+        step += 1
+    return [core.output(seqs[i]) for i in range(len(prompts))]
+
+
+def assert_same(a: list[RequestOutput], b: list[RequestOutput]) -> None:
+    """Bitwise: token ids and float logprob lists compared with ==."""
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [o.token_logprobs for o in a] == [o.token_logprobs for o in b]
+    assert [o.finish_reason for o in a] == [o.finish_reason for o in b]
+
+
+def assert_windows_cover(out: RequestOutput, window: int) -> None:
+    """Windows are contiguous, each 1..W tokens, and cover [1, len(token_ids))."""
+    expect = 1
+    for s, e in out.windows:
+        assert s == expect and 1 <= e - s <= window, (out.request_id, out.windows)
+        expect = e
+    assert expect == max(1, len(out.token_ids)), (out.request_id, out.windows, len(out.token_ids))
+
+
+def record_verify_kinds(llm: LLM) -> list[SeqKind]:
+    """Wrap the scheduler so every sequence that enters a verify pass is recorded (by kind)."""
+    kinds: list[SeqKind] = []
+    sched = llm.core.scheduler
+    original = sched.schedule
+
+    def schedule() -> Any:
+        plan = original()
+        if plan.kind == StepKind.VERIFY:
+            kinds.extend(row.seq.kind for row in plan.verify)
+        return plan
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    return kinds
+
+
+def replay_requests(prompts: list[list[int]], params: list[SamplingParams],
+                    outs: list[RequestOutput]) -> list[ReplayRequest]:
+    return [ReplayRequest(f"rp{i}", p, o.token_ids, replace(sp, seed=o.seed), o.windows, o.window_shape)
+            for i, (p, sp, o) in enumerate(zip(prompts, params, outs))]

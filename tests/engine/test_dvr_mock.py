@@ -1,0 +1,110 @@
+"""DVR protocol on a tiny mock model whose fast path depends on the batch (fast, many cases)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from engine.sequence import SeqKind
+from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, fast_params,
+                                    one_at_a_time, record_verify_kinds, replay_requests, staggered)
+
+VOCAB = 64
+
+
+@pytest.fixture
+def workload():
+    return det_workload(16, VOCAB, max_tokens=(8, 30), seed=1)
+
+
+def test_mock_fast_path_really_depends_on_load(make_mock_llm, workload) -> None:
+    """Sanity: without DVR the same requests give different tokens alone vs batched."""
+    prompts, params = workload
+    nd = [replace(p, deterministic=False) for p in params]
+    alone = one_at_a_time(make_mock_llm(mode="nondeterministic"), prompts, nd)
+    batched = make_mock_llm(mode="nondeterministic").generate(prompts, nd)
+    assert [o.token_ids for o in alone] != [o.token_ids for o in batched]
+
+
+def test_determinism_alone_batched_staggered(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    ref = one_at_a_time(make_mock_llm(), prompts, params)
+    assert_same(ref, make_mock_llm().generate(prompts, params))
+    for max_seqs in (3, 12):
+        assert_same(ref, staggered(make_mock_llm(max_num_seqs=max_seqs), prompts, params, seed=max_seqs))
+    assert sum(o.rollbacks for o in ref) > 0
+    for o in ref:
+        assert_windows_cover(o, 8)
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.3, 1.0])
+def test_fault_injection_does_not_change_output(make_mock_llm, workload, rate: float) -> None:
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    faulty = make_mock_llm(fault_rate=rate, fault_seed=5).generate(prompts, params)
+    assert_same(ref, faulty)
+    assert sum(o.rollbacks for o in faulty) > sum(o.rollbacks for o in ref)
+    for o in faulty:
+        assert_windows_cover(o, 8)
+        assert all(e > s for s, e in o.windows)  # every pass commits >= 1 token
+        if rate == 1.0:  # every first candidate is wrong: exactly the verifier's one token per pass
+            assert all(e - s == 1 for s, e in o.windows)
+            assert o.verify_passes == len(o.token_ids) - 1
+
+
+def test_window_starts_move_but_output_does_not(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    runs = [make_mock_llm(fault_rate=0.3, fault_seed=s).generate(prompts, params) for s in (1, 2)]
+    assert_same(runs[0], runs[1])
+    assert [o.windows for o in runs[0]] != [o.windows for o in runs[1]]
+
+
+def test_preemption_rebuilds_canonical_state(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    small = make_mock_llm(num_kv_blocks=2 + 16, block_size=4, fault_rate=0.2)
+    out = small.generate(prompts, params)
+    assert small.core.scheduler.preemptions > 0
+    assert_same(ref, out)
+    small.core.scheduler.blocks.check()
+    assert small.core.scheduler.blocks.num_free == small.core.scheduler.blocks.num_usable
+
+
+def test_nondeterministic_never_verified(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    llm = make_mock_llm(max_num_seqs=8)
+    kinds = record_verify_kinds(llm)
+    outs = staggered(llm, prompts, params, seed=3)
+    assert kinds and set(kinds) == {SeqKind.DVR}
+    fast = llm.generate(prompts[:4], [fast_params(seed=i) for i in range(4)])
+    assert all(o.verify_passes == 0 and o.windows == [] and not o.deterministic for o in fast)
+    for o in outs:
+        assert_windows_cover(o, 8)
+
+
+def test_nondeterministic_mode_ignores_the_flag(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    llm = make_mock_llm(mode="nondeterministic")
+    kinds = record_verify_kinds(llm)
+    outs = llm.generate(prompts, params)
+    assert kinds == [] and all(not o.deterministic and o.windows == [] for o in outs)
+
+
+def test_replay_reproduces_and_locates_mismatch(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    outs = staggered(make_mock_llm(fault_rate=0.3, fault_seed=9), prompts, params, seed=4)
+    reqs = replay_requests(prompts, params, outs)
+    results = make_mock_llm().replay(reqs)
+    for o, r in zip(outs, results):
+        assert r.first_mismatch is None and r.window_index is None
+        assert r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
+    victim = max(range(len(outs)), key=lambda i: len(outs[i].token_ids))
+    pos = len(outs[victim].token_ids) // 2 + 1
+    tokens = list(reqs[victim].token_ids)
+    tokens[pos] = (tokens[pos] + 1) % VOCAB
+    bad = replace(reqs[victim], token_ids=tokens)
+    res = make_mock_llm().replay([bad, reqs[0]])
+    assert res[0].first_mismatch == pos
+    s, e = bad.windows[res[0].window_index]
+    assert s <= pos < e
+    assert res[1].first_mismatch is None
