@@ -1,9 +1,12 @@
 """Batch-invariant Triton GEMM: out = x @ w.T (+ bias), CUDA only. Imported lazily (imports triton).
 
-Invariance argument: one tile configuration per dtype, chosen from the dtype alone (never from M, N or
-K); each program owns one [BLOCK_M, BLOCK_N] output tile and runs the WHOLE K loop itself in increasing
-k (no split-K, no stream-K), accumulating in fp32 with tl.dot. An output element's reduction order is
+Invariance argument: the tile configuration is a function of (dtype, N, device) only — of the weight
+matrix, never of the batch size M. Each program owns one [BLOCK_M, BLOCK_N] output tile and runs the
+WHOLE K loop itself in increasing k (no split-K, no stream-K), accumulating in fp32 with tl.dot. An output element's reduction order is
 thus fixed by K and the tile config; rows beyond M are masked loads of zero and do not touch other rows.
+
+BLOCK_N shrinks for narrow weights so that decode (M <= BLOCK_M, one row of tiles) still launches about
+one program per SM: with no split-K, the N tiles are the only parallelism a small batch has.
 """
 
 from __future__ import annotations
@@ -12,16 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-# dtype -> (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); fixed, never autotuned per shape.
-_CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
-    torch.bfloat16: (128, 128, 64, 8, 3),
-    torch.float16: (128, 128, 64, 8, 3),
-    torch.float32: (128, 128, 32, 8, 3),
+# dtype -> (BLOCK_M, BLOCK_K, num_stages); never autotuned, never a function of M.
+_DTYPE_CONFIGS: dict[torch.dtype, tuple[int, int, int]] = {
+    torch.bfloat16: (128, 64, 3),
+    torch.float16: (128, 64, 3),
+    torch.float32: (128, 32, 3),
 }
 _GROUP_M = 8
 
 
-@triton.jit
+# M is not specialised: Triton would otherwise compile a separate variant for M == 1 or M % 16 == 0.
+@triton.jit(do_not_specialize=["M"])
 def _matmul_kernel(
     a_ptr, b_ptr, bias_ptr, c_ptr,
     M, N, K,
@@ -62,17 +66,28 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
+def _block_n(n: int, device: torch.device) -> int:
+    """Largest BLOCK_N in (128, 64, 32) giving at least one N tile per SM; depends on N and the GPU only."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for block_n in (128, 64):
+        if triton.cdiv(n, block_n) >= sms:
+            return block_n
+    return 32
+
+
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias [N]) -> [M, N] in x's dtype; fp32 inputs use IEEE fp32 FMA."""
-    if x.dtype not in _CONFIGS or weight.dtype != x.dtype:
-        raise TypeError(f"bi_matmul supports {list(_CONFIGS)} with equal dtypes, got {x.dtype}, {weight.dtype}")
+    if x.dtype not in _DTYPE_CONFIGS or weight.dtype != x.dtype:
+        raise TypeError(f"bi_matmul supports {list(_DTYPE_CONFIGS)} with equal dtypes, got {x.dtype}, {weight.dtype}")
     (m, k), n = x.shape, weight.shape[0]
     if weight.shape[1] != k:
         raise ValueError(f"inner dims differ: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
-    block_m, block_n, block_k, warps, stages = _CONFIGS[x.dtype]
+    block_m, block_k, stages = _DTYPE_CONFIGS[x.dtype]
+    block_n = _block_n(n, x.device)
+    warps = 8 if block_n == 128 else 4
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _matmul_kernel[grid](
         x, weight, bias if bias is not None else x, out,

@@ -31,9 +31,10 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, H, stride_x, stride_out, eps, BLOCK:
     for start in range(0, H, BLOCK):
         mask = start + offs < H
         x = tl.load(x_row + start + offs, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + start + offs, mask=mask, other=0.0)
-        # Llama semantics: normalise in fp32, cast to the input dtype, then scale by the weight.
-        y = (x * rstd).to(out_ptr.dtype.element_ty) * w
+        w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        # Llama semantics: normalise in fp32, round to the input dtype, then scale by the weight. The
+        # product of two bf16 values is exact in fp32, so this rounds once, as a bf16 multiply would.
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
         tl.store(out_row + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
