@@ -1,0 +1,99 @@
+"""The service on PostgreSQL (fresh schema per test): concurrent appends keep one dense log and one
+chain per tenant, a failure between writes leaves nothing, and the stored rows cannot be altered."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from auditor import repository
+from auditor.db import migrate
+from auditor.db.session import create_engine
+from auditor.settings import Settings
+from tests.auditor import independent
+from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, free_port, start_server
+from tests.auditor.fake_engine import FakeAsyncEngine
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+async def pg_server(pg_schema: tuple[str, str], tmp_path: Path) -> AsyncIterator[LiveServer]:
+    url, schema = pg_schema
+    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
+    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    server = await start_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def _sql(server: LiveServer, statement: str) -> Any:
+    engine = create_engine(server.settings.resolved_database_url, schema=server.settings.database_schema)
+    try:
+        async with engine.begin() as connection:
+            return (await connection.execute(text(statement))).all()
+    finally:
+        await engine.dispose()
+
+
+async def test_concurrent_appends_on_postgres(pg_server: LiveServer) -> None:
+    async def one(i: int) -> dict[str, Any]:
+        key = pg_server.keys["client" if i % 2 else "other"]
+        async with pg_server.client(key) as client:
+            response = await client.post("/v1/completions", json={
+                "model": "fake-model", "prompt": f"request {i}", "max_tokens": 6, "seed": i})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+    bodies = await asyncio.gather(*(one(i) for i in range(20)))
+    assert sorted(b["transcript"]["log_index"] for b in bodies) == list(range(20))
+    async with pg_server.client(pg_server.keys["client"]) as client:
+        checkpoint = (await client.get("/v1/log/checkpoint")).json()
+        assert checkpoint["tree_size"] == 20
+        leaves = []
+        for index in range(20):
+            proof = (await client.get("/v1/log/proofs/inclusion", params={"index": index})).json()
+            leaves.append(proof["leaf_hash"])
+        jwks = (await client.get("/.well-known/jwks.json")).json()
+        docs = [(await client.get(f"/v1/transcripts/{b['transcript']['id']}")).json()
+                for i, b in enumerate(bodies) if i % 2]
+    leaf_hashes = [base64.b64decode(h) for h in leaves]
+    assert independent.mth(leaf_hashes) == base64.b64decode(checkpoint["root_hash"])
+    sequences = [json.loads(independent.verify_dsse(d["envelope"], jwks))["predicate"]["transcript"]["sequence"]
+                 for d in docs]
+    assert sorted(sequences) == list(range(1, 11))
+
+
+async def test_failed_append_leaves_nothing_on_postgres(pg_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def boom(*_: Any) -> None:
+        raise RuntimeError("injected failure after the transcript row")
+
+    monkeypatch.setattr(repository, "add_checkpoint", boom)
+    async with pg_server.client(pg_server.keys["client"]) as client:
+        assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).status_code == 500
+        counts = await _sql(pg_server, "SELECT (SELECT count(*) FROM transcripts), (SELECT count(*) FROM "
+                                       "transcript_contents), (SELECT count(*) FROM log_leaves)")
+        assert tuple(counts[0]) == (0, 0, 0)
+        monkeypatch.undo()
+        body = (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).json()
+    assert body["transcript"]["log_index"] == 0
+
+
+async def test_stored_transcripts_cannot_be_altered_on_postgres(pg_server: LiveServer) -> None:
+    async with pg_server.client(pg_server.keys["client"]) as client:
+        await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})
+        await client.get("/v1/transcripts")
+    for statement in ("UPDATE transcripts SET status = 'error'", "DELETE FROM log_leaves",
+                      "UPDATE log_checkpoints SET note = 'forged'", "DELETE FROM access_log"):
+        with pytest.raises(Exception, match="append-only"):
+            await _sql(pg_server, statement)
+    assert (await _sql(pg_server, "SELECT count(*) FROM access_log"))[0][0] >= 1
