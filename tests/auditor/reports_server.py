@@ -25,8 +25,10 @@ def extra_routes() -> list[Any]:
 
 
 class ReportsLiveServer(LiveServer):
+    extra: tuple[Any, ...] = ()
+
     def start(self) -> ReportsLiveServer:
-        self.app = create_app(self.settings, engine=self.engine, routes=extra_routes())
+        self.app = create_app(self.settings, engine=self.engine, routes=[*extra_routes(), *self.extra])
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
@@ -40,8 +42,10 @@ class ReportsLiveServer(LiveServer):
         return self
 
 
-async def start_reports_server(settings: Settings, engine: Any, tenants: dict[str, str]) -> ReportsLiveServer:
+async def start_reports_server(settings: Settings, engine: Any, tenants: dict[str, str],
+                               extra: tuple[Any, ...] = ()) -> ReportsLiveServer:
     server = ReportsLiveServer(settings, engine)
+    server.extra = extra
     for name, spec in tenants.items():
         tenant, role = spec.split(":")
         server.keys[name] = await make_key(settings, tenant, role)
