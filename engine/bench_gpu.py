@@ -1,0 +1,690 @@
+"""`python -m engine bench --device cuda` (also `python -m engine.bench_gpu`): the GPU benchmark.
+
+Sections (each recorded on its own; a failing section records its error and the run goes on):
+  bandwidth        device-to-device copy, bytes read + written per second (the roofline's ceiling)
+  decode_step      synthetic Llama-3.1-8B decode step (CUDA graph) at batch 1/16/64 vs weights+KV bytes / BW
+  lite_generate    64 requests 128-in/128-out through our model + kernels + graphs, greedy on the GPU
+                   (no scheduler, no host sampler: the ceiling the engine core can approach)
+  engine_generate  the same requests through the engine core (mode nondeterministic)
+  hf_generate      the same requests through Hugging Face transformers (static batch `generate`)
+  verify_cost      verify pass G x W in {1x32, 8x32, 16x32, 8x64}: time per pass and per token
+  smollm2_rollback real SmolLM2 (GGUF): rollback / recompute rates at W = 16/32/64 (engine, mode dvr)
+  compare_modes    issue 6: nondeterministic / dvr at 2-100 % deterministic / batch_invariant
+Results: <out>/gpu-bench.json (written after every section) and <out>/gpu-bench.png.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import platform
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "lite_generate", "verify_cost", "engine_generate", "hf_generate")
+ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes")
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Ctx:
+    """What the sections share: arguments, the synthetic model (built once), the measured bandwidth."""
+
+    args: argparse.Namespace
+    device: torch.device
+    result: dict[str, Any]
+    model: Any = None
+    hf_config: Any = None
+    weight_bytes: int = 0
+    bandwidth: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- timing helpers ------------------------------------------------------------------------------
+def time_cuda(fn: Callable[[], Any], reps: int, warmup: int = 2) -> dict[str, float]:
+    """Median / min / max milliseconds of `fn` over `reps` runs, each timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
+
+
+def environment(argv: list[str]) -> dict[str, Any]:
+    props = torch.cuda.get_device_properties(0)
+    env = {
+        "device": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
+        "total_memory_gib": round(props.total_memory / 2**30, 1),
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python -m engine bench --device cuda " + " ".join(argv),
+        "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+    }
+    for mod in ("triton", "transformers"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except ImportError:
+            env[mod] = None
+    return env
+
+
+# ---- synthetic model -----------------------------------------------------------------------------
+def synthetic(ctx: Ctx) -> Any:
+    if ctx.model is None:
+        from engine.models.synthetic import build_synthetic_model, synthetic_hf_config, weight_bytes
+
+        overrides = {"num_hidden_layers": ctx.args.layers} if ctx.args.layers else {}
+        ctx.hf_config = synthetic_hf_config(ctx.args.preset, **overrides)
+        t0 = time.perf_counter()
+        ctx.model = build_synthetic_model(ctx.hf_config, torch.bfloat16, ctx.device, seed=0,
+                                          attention_backend="triton")
+        _sync()
+        ctx.weight_bytes = weight_bytes(ctx.model)
+        ctx.result["synthetic_model"] = {
+            "preset": ctx.args.preset, "layers": ctx.hf_config.num_hidden_layers,
+            "weight_bytes": ctx.weight_bytes, "build_s": round(time.perf_counter() - t0, 2),
+        }
+    return ctx.model
+
+
+def kv_bytes_per_token(model: Any) -> int:
+    a = model.arch
+    return a.num_layers * 2 * a.num_kv_heads * a.head_dim * model.dtype.itemsize
+
+
+def contiguous_tables(rows: int, blocks_per_row: int, first_block: int = 2) -> list[list[int]]:
+    """Row r owns blocks [first + r*n, first + (r+1)*n): blocks 0/1 stay reserved (zero / scratch)."""
+    return [list(range(first_block + r * blocks_per_row, first_block + (r + 1) * blocks_per_row))
+            for r in range(rows)]
+
+
+def fill_cache_(kv: Any, seed: int = 0) -> None:
+    """Random finite K/V (timing on zeros can flatter kernels); block 0 back to zero."""
+    gen = torch.Generator(device=kv.k[0].device).manual_seed(seed)
+    for t in kv.k + kv.v:
+        t.normal_(0.0, 0.5, generator=gen)
+        t[0].zero_()
+
+
+# ---- sections ------------------------------------------------------------------------------------
+def bench_bandwidth(ctx: Ctx) -> dict[str, Any]:
+    n = 2 * 2**30 // 2  # 2 GiB of bf16 per buffer
+    src = torch.randn(n, dtype=torch.bfloat16, device=ctx.device)
+    dst = torch.empty_like(src)
+    t = time_cuda(lambda: dst.copy_(src), reps=20)
+    ctx.bandwidth = 2 * src.numel() * 2 / (t["median_ms"] / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return {"bytes_per_s": ctx.bandwidth, "tb_per_s": round(ctx.bandwidth / 1e12, 3), **t}
+
+
+def _bandwidth(ctx: Ctx) -> float:
+    if ctx.bandwidth is None:
+        bench_bandwidth(ctx)
+    assert ctx.bandwidth is not None
+    return ctx.bandwidth
+
+
+def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
+    """Graph-replayed decode step at each batch size with `context` keys per row, vs the byte floor."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    model = synthetic(ctx)
+    bw = _bandwidth(ctx)
+    batches, context = ctx.args.batches, ctx.args.context
+    blocks_per_row = -(-(context + 64) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + max(batches) * blocks_per_row, BLOCK_SIZE)
+    fill_cache_(kv)
+    graphs = DecodeGraphs(model, kv, max(batches), blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
+                          batch_sizes=batches)
+    t0 = time.perf_counter()
+    graphs.capture()
+    capture_s = time.perf_counter() - t0
+    out: dict[str, Any] = {"context": context, "capture_s": round(capture_s, 2), "batches": {}}
+    for b in batches:
+        tables = contiguous_tables(b, blocks_per_row)
+        ids = [(7 * r + 1) % model.arch.vocab_size for r in range(b)]
+        pos = [context - 1] * b
+
+        def step() -> None:
+            graphs.run(ids, pos, [context] * b, tables)
+
+        stats_before = torch.cuda.memory_stats()
+        t = time_cuda(step, reps=ctx.args.reps)
+        stats_after = torch.cuda.memory_stats()
+        floor_bytes = ctx.weight_bytes + b * context * kv_bytes_per_token(model)
+        floor_ms = floor_bytes / bw * 1e3
+        eager = _eager_decode_ms(model, kv, tables, ids, pos, context) if b in (1, max(batches)) else None
+        out["batches"][str(b)] = {
+            **t, "floor_ms": floor_ms, "ratio_to_floor": t["median_ms"] / floor_ms,
+            "achieved_tb_per_s": floor_bytes / (t["median_ms"] / 1e3) / 1e12,
+            "eager_median_ms": eager,
+            "device_allocations_during_timed_steps":
+                stats_after["allocation.all.allocated"] - stats_before["allocation.all.allocated"],
+        }
+    out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+    out["kv_cache_bytes"] = kv.nbytes
+    del graphs, kv
+    torch.cuda.empty_cache()
+    return out
+
+
+def _eager_decode_ms(model: Any, kv: Any, tables: list[list[int]], ids: list[int], pos: list[int],
+                     context: int) -> float:
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+
+    rows = [RowSpec(t, context - 1, 1) for t in tables]
+    meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, ctx_device(model))
+    inp = torch.tensor(ids, dtype=torch.long, device=ctx_device(model))
+    positions = positions_of(rows, ctx_device(model))
+    with torch.inference_mode():
+        return time_cuda(lambda: model.compute_logits(model(inp, positions, meta, kv)), reps=5)["median_ms"]
+
+
+def ctx_device(model: Any) -> torch.device:
+    return model.device
+
+
+def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
+    """64 x (128 in, 128 out): one batched prefill, then graph decode with argmax on the GPU."""
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+    from engine.cuda_graphs import DecodeGraphs
+
+    model = synthetic(ctx)
+    n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
+    blocks_per_row = -(-(n_in + n_out) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + n_req * blocks_per_row, BLOCK_SIZE)
+    graphs = DecodeGraphs(model, kv, n_req, blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
+                          batch_sizes=(n_req,))
+    graphs.capture()
+    tables = contiguous_tables(n_req, blocks_per_row)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen)
+    rows = [RowSpec(t, 0, n_in) for t in tables]
+
+    def run() -> tuple[float, float, list[list[int]]]:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            meta = build_metadata(PassKind.PREFILL, rows, BLOCK_SIZE, ctx.device)
+            hidden = model(prompts.flatten().to(ctx.device), positions_of(rows, ctx.device), meta, kv)
+            last = meta.query_start_loc[1:].long() - 1
+            nxt = model.compute_logits(hidden[last]).argmax(-1).tolist()
+        t_prefill = time.perf_counter() - t0
+        outs = [[t] for t in nxt]
+        for i in range(n_out - 1):
+            p = n_in + i
+            logits = graphs.run(nxt, [p] * n_req, [p + 1] * n_req, tables)
+            nxt = logits.argmax(-1).tolist()
+            for o, t in zip(outs, nxt):
+                o.append(t)
+        torch.cuda.synchronize()
+        return t_prefill, time.perf_counter() - t0, outs
+
+    run()  # warm-up (prefill kernels compile)
+    t_prefill, total, outs = run()
+    tokens = n_req * n_out
+    bw = _bandwidth(ctx)
+    mean_ctx = n_in + n_out / 2
+    floor_step = (ctx.weight_bytes + n_req * mean_ctx * kv_bytes_per_token(model)) / bw
+    res = {"requests": n_req, "prompt_len": n_in, "new_tokens": n_out, "seconds": total,
+           "prefill_s": t_prefill, "output_tok_per_s": tokens / total,
+           "decode_only_tok_per_s": n_req * (n_out - 1) / (total - t_prefill),
+           "bandwidth_limit_tok_per_s": n_req / floor_step,
+           "first_request_first_tokens": outs[0][:8]}
+    del graphs, kv
+    torch.cuda.empty_cache()
+    return res
+
+
+def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
+    """The same requests through the engine core (nondeterministic), stepping with a time cap."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.model_runner import ModelShape
+    from engine.sampling import SamplingParams
+
+    model = synthetic(ctx)
+    n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
+    blocks = 2 + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
+    config = _engine_config(EngineConfig, model="synthetic", device=ctx.device.type, dtype="bfloat16",
+                            mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
+                            max_num_batched_tokens=n_req * n_in, max_model_len=4096)
+    shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
+                       model.arch.vocab_size, 4096)
+    llm = LLM.from_parts(config, model, shape, eos_ids=set())
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
+    params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
+    return _drive(llm.core, prompts, params, ctx.args.engine_cap_s, "eng")
+
+
+def _engine_config(cls: Any, **kw: Any) -> Any:
+    """EngineConfig with the GPU fields if this build has them (attention_backend='triton', graphs)."""
+    for key, value in (("attention_backend", "triton"), ("cuda_graphs", True)):
+        try:
+            cls(**{**kw, key: value})
+            kw[key] = value
+        except (TypeError, ValueError):
+            pass
+    return cls(**kw)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _drive(core: Any, prompts: list[list[int]], params: Any, cap_s: float, tag: str) -> dict[str, Any]:
+    seqs = [core.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    _sync()
+    t0 = time.perf_counter()
+    steps = 0
+    while any(not s.is_finished for s in seqs) and time.perf_counter() - t0 < cap_s:
+        core.step()
+        steps += 1
+    _sync()
+    total = time.perf_counter() - t0
+    tokens = sum(len(s.tokens) for s in seqs)
+    stats = vars(core.stats())
+    return {"seconds": total, "steps": steps, "committed_tokens": tokens, "output_tok_per_s": tokens / total,
+            "finished": sum(s.is_finished for s in seqs), "requests": len(seqs), "capped": total >= cap_s,
+            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+
+
+def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
+    """transformers on the same weights: static-batch greedy `generate` (and continuous batching if cheap)."""
+    import transformers
+
+    model = synthetic(ctx)
+    n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(ctx.device):
+            hf = transformers.LlamaForCausalLM(ctx.hf_config).eval()
+    finally:
+        torch.set_default_dtype(default)
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    gen = torch.Generator().manual_seed(1)
+    prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).to(ctx.device)
+    out: dict[str, Any] = {"missing_keys": missing[:5], "unexpected_keys": unexpected[:5]}
+
+    def static() -> torch.Tensor:
+        with torch.inference_mode():
+            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n_out,
+                               min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+
+    with torch.inference_mode():  # parity of the prefill logits on the same weights
+        ours = _our_prefill_logits(model, prompts[:2])
+        theirs = hf(input_ids=prompts[:2]).logits[:, -1].float()
+        out["prefill_logits_max_abs_diff"] = (ours - theirs).abs().max().item()
+        out["prefill_top1_agree"] = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
+    static()  # warm-up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    seqs = static()
+    torch.cuda.synchronize()
+    total = time.perf_counter() - t0
+    out["static_batch"] = {"seconds": total, "output_tok_per_s": n_req * n_out / total,
+                           "generated": int(seqs.shape[1] - n_in)}
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
+def _our_prefill_logits(model: Any, prompts: torch.Tensor) -> torch.Tensor:
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+
+    n, length = prompts.shape
+    blocks = -(-length // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + n * blocks, BLOCK_SIZE)
+    rows = [RowSpec(t, 0, length) for t in contiguous_tables(n, blocks)]
+    meta = build_metadata(PassKind.PREFILL, rows, BLOCK_SIZE, model.device)
+    hidden = model(prompts.flatten(), positions_of(rows, model.device), meta, kv)
+    return model.compute_logits(hidden[meta.query_start_loc[1:].long() - 1])
+
+
+def bench_verify_cost(ctx: Ctx) -> dict[str, Any]:
+    """A verify pass (eager, and CUDA-graphed when that is bit-exact) per G x W, each row on `context` keys."""
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+    from engine.cuda_graphs import VerifyGraph
+
+    model = synthetic(ctx)
+    context = ctx.args.context
+    shapes = [(1, 32), (8, 32), (16, 32), (8, 64)]
+    max_g, max_w = max(g for g, _ in shapes), max(w for _, w in shapes)
+    blocks_per_row = -(-(context + max_w) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + max_g * blocks_per_row, BLOCK_SIZE)
+    fill_cache_(kv, seed=1)
+    tables = contiguous_tables(max_g, blocks_per_row)
+    out: dict[str, Any] = {"context": context, "shapes": {}}
+    for g, w in shapes:
+        rows = [RowSpec(tables[r], context, w) for r in range(g)]
+        meta = build_metadata(PassKind.VERIFY, rows, BLOCK_SIZE, ctx.device)
+        ids = torch.randint(0, model.arch.vocab_size, (g * w,), device=ctx.device)
+        pos = positions_of(rows, ctx.device)
+        with torch.inference_mode():
+            t = time_cuda(lambda: model.compute_logits(model(ids, pos, meta, kv)), reps=ctx.args.reps // 2)
+        entry = {**t, "tokens": g * w, "ms_per_token": t["median_ms"] / (g * w)}
+        vg = VerifyGraph(model, kv, g, w, blocks_per_row * BLOCK_SIZE)
+        vg.stage(ids.tolist(), pos.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist(),
+                 [tables[r] for r in range(g)])
+        vg.capture()
+        tg = time_cuda(vg.replay, reps=ctx.args.reps // 2)
+        entry.update({"graph_bit_exact": vg.bit_exact, "graph_median_ms": tg["median_ms"],
+                      "graph_ms_per_token": tg["median_ms"] / (g * w)})
+        out["shapes"][f"{g}x{w}"] = entry
+        del vg
+    del kv
+    torch.cuda.empty_cache()
+    return out
+
+
+# ---- SmolLM2 -------------------------------------------------------------------------------------
+TOPICS = ["photosynthesis", "the French Revolution", "black holes", "sourdough bread", "the stock market",
+          "climate change", "the human heart", "Shakespeare's sonnets", "quantum computing", "volcanoes",
+          "the Roman Empire", "machine learning", "honeybees", "the Pythagorean theorem", "jazz music",
+          "the immune system", "electric cars", "the Great Wall of China", "coral reefs", "chess openings",
+          "the water cycle", "ancient Egypt", "vaccines", "the internet", "plate tectonics", "coffee",
+          "the Moon landing", "recycling", "the printing press", "marathon training", "DNA", "tea ceremonies",
+          "the Renaissance", "solar panels", "octopuses", "inflation", "the Olympic Games", "glaciers",
+          "origami", "public libraries"]
+TASKS = ["Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
+         "List five surprising facts about {t}.", "What are the main arguments for and against {t}?",
+         "Write a detailed essay introduction about {t}, with a thesis statement and an outline of three "
+         "supporting paragraphs, then continue with the first paragraph.",
+         "Summarize the history of {t} in a few sentences.", "Give me a step-by-step guide related to {t}.",
+         "Imagine you are a tour guide. Describe {t} to a group of curious visitors who know nothing about "
+         "it, using vivid language and at least one analogy."]
+
+
+def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
+    """n chat prompts, topics x tasks, varied in length and subject (deterministic order)."""
+    prompts = []
+    for i in range(n):
+        text = TASKS[i % len(TASKS)].format(t=TOPICS[(i * 7 + i // len(TASKS)) % len(TOPICS)])
+        msgs = [{"role": "user", "content": text}]
+        ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids))
+    return prompts
+
+
+def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    a = ctx.args
+    out: dict[str, Any] = {"prompts": a.rollback_prompts, "new_tokens": a.rollback_tokens, "windows": {}}
+    for w in a.rollback_windows:
+        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode="dvr", window=w, group=a.group,
+                                num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.rollback_prompts,
+                                max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+        llm = LLM(config)
+        _use_triton(llm)
+        prompts = smollm2_prompts(llm.tokenizer, a.rollback_prompts)
+        params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
+                                deterministic=True, seed=1)
+        res = _drive(llm.core, prompts, params, a.rollback_cap_s, f"w{w}")
+        st = res["stats"]
+        committed = max(res["committed_tokens"], 1)
+        res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / committed
+        res["rollbacks_per_verify_pass"] = st.get("rollbacks", 0) / max(st.get("verify_passes", 1), 1)
+        out["windows"][str(w)] = res
+        out["prompt_len_min_max"] = [min(map(len, prompts)), max(map(len, prompts))]
+        del llm
+        torch.cuda.empty_cache()
+    return out
+
+
+def _use_triton(llm: Any) -> None:
+    """Put the Triton backend in if the engine config could not name it (older config)."""
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    model = llm.core.runner.model
+    if model.device.type == "cuda" and getattr(model.attention, "name", "") != "triton":
+        model.attention = TritonPagedAttention()
+
+
+def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 comparison (SmolLM2): same requests, output tok/s and latency per mode, ratio to nondet."""
+    from engine.config import EngineConfig, Mode
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    a = ctx.args
+    modes: list[tuple[str, str, float]] = [("nondeterministic", "nondeterministic", 0.0)]
+    modes += [(f"dvr_{p}pct", "dvr", p / 100) for p in (2, 10, 50, 100)]
+    if "BATCH_INVARIANT" in Mode.__members__:
+        modes.append(("batch_invariant", "batch_invariant", 1.0))
+    out: dict[str, Any] = {"requests": a.compare_requests, "new_tokens": a.compare_tokens, "modes": {}}
+    for name, mode, share in modes:
+        try:
+            config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode=mode, window=32,
+                                    group=a.group, num_kv_blocks=a.smol_kv_blocks,
+                                    max_num_seqs=a.compare_requests, max_num_batched_tokens=8192,
+                                    cache_dir=a.cache_dir)
+        except ValueError as exc:
+            out["modes"][name] = {"error": str(exc)}
+            continue
+        llm = LLM(config)
+        _use_triton(llm)
+        prompts = smollm2_prompts(llm.tokenizer, a.compare_requests)
+        n_det = round(share * len(prompts))
+        seqs = [llm.core.add_request(f"{name}-{i}", p, SamplingParams(
+            max_tokens=a.compare_tokens, temperature=0.0, ignore_eos=True, deterministic=i < n_det, seed=i))
+            for i, p in enumerate(prompts)]
+        t0 = time.perf_counter()
+        done: dict[str, float] = {}
+        while len(done) < len(seqs) and time.perf_counter() - t0 < a.compare_cap_s:
+            llm.core.step()
+            for s in seqs:
+                if s.is_finished and s.request_id not in done:
+                    done[s.request_id] = time.perf_counter() - t0
+        total = time.perf_counter() - t0
+        lat = sorted(done.values())
+        tokens = sum(len(s.tokens) for s in seqs)
+        out["modes"][name] = {"deterministic_share": share, "seconds": total, "output_tok_per_s": tokens / total,
+                              "finished": len(done), "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
+                              "stats": {k: v for k, v in vars(llm.core.stats()).items()
+                                        if isinstance(v, (int, float))}}
+        del llm
+        torch.cuda.empty_cache()
+    base = out["modes"].get("nondeterministic", {}).get("output_tok_per_s")
+    for entry in out["modes"].values():
+        if base and "output_tok_per_s" in entry:
+            entry["ratio_to_nondeterministic"] = entry["output_tok_per_s"] / base
+    return out
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    return values[min(len(values) - 1, math.ceil(p / 100 * len(values)) - 1)]
+
+
+SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
+    "bandwidth": bench_bandwidth, "decode_step": bench_decode_step, "lite_generate": bench_lite_generate,
+    "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
+    "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
+}
+
+
+# ---- chart ---------------------------------------------------------------------------------------
+def chart(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    env = result.get("environment", {})
+    fig.suptitle(f"Verbatim GPU bench — {env.get('device')} — {env.get('date_utc')}\n{env.get('command')}",
+                 fontsize=9)
+    ds = result.get("decode_step", {}).get("batches", {})
+    ax = axes[0][0]
+    if ds:
+        bs = list(ds)
+        x = range(len(bs))
+        ax.bar([i - 0.2 for i in x], [ds[b]["median_ms"] for b in bs], 0.4, label="measured (CUDA graph)")
+        ax.bar([i + 0.2 for i in x], [ds[b]["floor_ms"] for b in bs], 0.4, label="weights+KV / bandwidth")
+        ax.set_xticks(list(x), [f"batch {b}" for b in bs])
+        ax.set_ylabel("ms per decode step")
+        ax.legend(fontsize=8)
+    ax.set_title("synthetic Llama-3.1-8B decode step", fontsize=10)
+    ax = axes[0][1]
+    bars = {}
+    for key, label in (("lite_generate", "model+graphs (no scheduler)"), ("engine_generate", "engine core"),
+                       ("hf_generate", "HF transformers")):
+        sec = result.get(key, {})
+        val = sec.get("output_tok_per_s") or sec.get("static_batch", {}).get("output_tok_per_s")
+        if val:
+            bars[label] = val
+    lim = result.get("lite_generate", {}).get("bandwidth_limit_tok_per_s")
+    if lim:
+        bars["bandwidth limit"] = lim
+    ax.bar(list(bars), list(bars.values()), color=["C0", "C1", "C2", "C7"][: len(bars)])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("64 concurrent, 128 in / 128 out (synthetic 8B)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=7)
+    ax = axes[1][0]
+    vc = result.get("verify_cost", {}).get("shapes", {})
+    if vc:
+        ax.bar([i - 0.2 for i in range(len(vc))], [v["ms_per_token"] for v in vc.values()], 0.4, label="eager")
+        ax.bar([i + 0.2 for i in range(len(vc))], [v.get("graph_ms_per_token", 0) for v in vc.values()], 0.4,
+               label="CUDA graph")
+        ax.set_xticks(range(len(vc)), [f"G×W {k}" for k in vc])
+        ax.set_ylabel("ms per verified token")
+        ax.legend(fontsize=8)
+    ax.set_title("verify-pass cost (synthetic 8B)", fontsize=10)
+    ax = axes[1][1]
+    rb = result.get("smollm2_rollback", {}).get("windows", {})
+    cm = result.get("compare_modes", {}).get("modes", {})
+    if cm:
+        names = [k for k, v in cm.items() if "ratio_to_nondeterministic" in v]
+        ax.bar(names, [cm[k]["ratio_to_nondeterministic"] for k in names])
+        ax.set_ylabel("throughput / nondeterministic")
+        ax.set_title("SmolLM2: modes vs nondeterministic", fontsize=10)
+        ax.tick_params(axis="x", labelsize=7, rotation=20)
+    elif rb:
+        ax.bar([f"W={w}" for w in rb], [v["recompute_pct_of_output"] for v in rb.values()])
+        ax.set_ylabel("recomputed tokens, % of output")
+        ax.set_title("SmolLM2 recompute rate", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- main ----------------------------------------------------------------------------------------
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m engine bench --device cuda", description=__doc__.split("\n")[0])
+    p.add_argument("--sections", default=",".join(SYNTHETIC_SECTIONS),
+                   help=f"comma list from {','.join(ALL_SECTIONS)} or 'all'")
+    p.add_argument("--out", default="bench/results")
+    p.add_argument("--name", default="gpu-bench", help="file stem of the JSON/PNG")
+    p.add_argument("--preset", default="llama-3.1-8b")
+    p.add_argument("--layers", type=int, default=0, help="override the preset's layer count (quick runs)")
+    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--context", type=int, default=256, help="keys per row in decode_step / verify_cost")
+    p.add_argument("--reps", type=int, default=50)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--engine-cap-s", type=float, default=60.0)
+    p.add_argument("--gguf", default="default", help="SmolLM2 model for the smollm2 sections")
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--rollback-windows", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
+    p.add_argument("--rollback-prompts", type=int, default=256)
+    p.add_argument("--rollback-tokens", type=int, default=256)
+    p.add_argument("--rollback-cap-s", type=float, default=120.0)
+    p.add_argument("--smol-kv-blocks", type=int, default=12000)
+    p.add_argument("--compare-requests", type=int, default=128)
+    p.add_argument("--compare-tokens", type=int, default=128)
+    p.add_argument("--compare-cap-s", type=float, default=60.0)
+    p.add_argument("--compare-modes", action="store_true", help="add the compare_modes section")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench --device cuda: no CUDA device", file=sys.stderr)
+        return 2
+    names = list(ALL_SECTIONS) if args.sections == "all" else [s for s in args.sections.split(",") if s]
+    if args.compare_modes and "compare_modes" not in names:
+        names.append("compare_modes")
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown sections {unknown}; known: {list(SECTIONS)}")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"environment": environment(argv)}
+    ctx = Ctx(args=args, device=torch.device("cuda"), result=result)
+    json_path, png_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.png"
+    for name in names:
+        t0 = time.perf_counter()
+        try:
+            result[name] = SECTIONS[name](ctx)
+        except Exception:  # a benchmark section's failure is a result to record, not a reason to stop
+            result[name] = {"error": traceback.format_exc(limit=8)}
+        result[name]["section_s"] = round(time.perf_counter() - t0, 2)
+        print(f"[bench] {name}: {json.dumps(result[name], default=str)[:600]}", flush=True)
+        json_path.write_text(json.dumps(result, indent=1, default=str))
+    try:
+        chart(result, png_path)
+    except Exception:  # the JSON is the result; a chart failure must not lose it
+        result["chart_error"] = traceback.format_exc(limit=4)
+        json_path.write_text(json.dumps(result, indent=1, default=str))
+    print(summary(result), flush=True)
+    return 0
+
+
+def summary(result: dict[str, Any]) -> str:
+    lines = [f"== {result['environment']['device']} {result['environment']['date_utc']}"]
+    bw = result.get("bandwidth", {})
+    if "tb_per_s" in bw:
+        lines.append(f"copy bandwidth {bw['tb_per_s']} TB/s")
+    for b, v in result.get("decode_step", {}).get("batches", {}).items():
+        lines.append(f"decode b={b}: {v['median_ms']:.2f} ms (floor {v['floor_ms']:.2f}, x{v['ratio_to_floor']:.2f}) "
+                     f"eager {v['eager_median_ms']} allocs {v['device_allocations_during_timed_steps']}")
+    for key in ("lite_generate", "engine_generate"):
+        v = result.get(key, {})
+        if "output_tok_per_s" in v:
+            lines.append(f"{key}: {v['output_tok_per_s']:.0f} tok/s")
+    hf = result.get("hf_generate", {}).get("static_batch")
+    if hf:
+        lines.append(f"hf static batch: {hf['output_tok_per_s']:.0f} tok/s")
+    for k, v in result.get("verify_cost", {}).get("shapes", {}).items():
+        lines.append(f"verify {k}: {v['median_ms']:.2f} ms ({v['ms_per_token']:.4f} ms/tok) graph "
+                     f"{v['graph_median_ms']:.2f} ms bit_exact={v['graph_bit_exact']}")
+    for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items():
+        lines.append(f"smollm2 W={w}: recompute {v['recompute_pct_of_output']:.2f}% of {v['committed_tokens']} "
+                     f"tokens, {v['seconds']:.0f}s capped={v['capped']}")
+    for k, v in result.get("compare_modes", {}).get("modes", {}).items():
+        lines.append(f"mode {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio {v.get('ratio_to_nondeterministic')}"
+                     f" {v.get('error', '')}")
+    errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    if errors:
+        lines.append(f"sections with errors: {errors}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
