@@ -1,0 +1,64 @@
+"""Report export and content purge on PostgreSQL (fresh schema; skipped without a server)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+
+from auditor.db import migrate
+from auditor.db.session import create_engine, create_sessionmaker
+from auditor.reports import verify_bundle
+from auditor.reports.retention import RetentionPolicy, purge
+from auditor.settings import Settings
+from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, free_port
+from tests.auditor.fake_engine import FakeAsyncEngine
+from tests.auditor.reports_server import start_reports_server
+from tests.auditor.test_reports_api import complete, export, unzip
+
+pytestmark = pytest.mark.postgres
+
+
+@pytest.fixture
+async def pg_server(pg_schema: tuple[str, str], tmp_path: Path) -> AsyncIterator[LiveServer]:
+    url, schema = pg_schema
+    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
+    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    server = await start_reports_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)
+
+
+async def test_export_and_purge_on_postgres(pg_server: LiveServer) -> None:
+    async with pg_server.client(pg_server.keys["client"]) as client:
+        ids = await complete(client, 3)
+    async with pg_server.client(pg_server.keys["other"]) as other:
+        await complete(other, 1)
+    async with pg_server.client(pg_server.keys["auditor"]) as auditor:
+        _, data = await export(auditor, include_content=True)
+    assert verify_bundle(data).ok
+    assert len(unzip(data)["transcripts.jsonl"].splitlines()) == 3
+
+    settings = pg_server.settings
+    db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
+    try:
+        async with create_sessionmaker(db)() as session, session.begin():
+            later = dt.datetime.now(dt.UTC) + dt.timedelta(days=31)
+            purged = await purge(session, RetentionPolicy(tenants={"acme": 30}), later, "acme")
+        async with db.begin() as conn:
+            left = (await conn.execute(text("SELECT count(*) FROM transcript_contents"))).scalar_one()
+    finally:
+        await db.dispose()
+    assert sorted(purged["acme"]) == sorted(ids) and left == 1  # globex's content is untouched
+    async with pg_server.client(pg_server.keys["auditor"]) as auditor:
+        _, after = await export(auditor, include_content=True)
+    result = verify_bundle(after)
+    assert result.ok, result.render()
+    assert all("content" not in json.loads(x) for x in unzip(after)["transcripts.jsonl"].splitlines())
