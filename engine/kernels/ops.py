@@ -54,7 +54,7 @@ class TorchOps:
         return torch.log_softmax(x.float(), dim=-1).to(x.dtype)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
 
 TORCH_OPS = TorchOps()

@@ -9,6 +9,10 @@ rows back. Rows never interact inside these ops (no reduction runs across rows),
 neighbours cannot leak into a row's result, and the tests check that a row's bits do not depend on
 its position inside a tile either.
 
+Rule for code in this module: transcendental functions only in fp32 and only through torch.exp /
+torch.log_softmax / fp32 rsqrt, which were checked to give the same bits in the vectorised body and in
+the tail; F.silu and bf16 rsqrt were checked NOT to (tests/engine/test_batch_invariant_ops.py).
+
 Slow but correct: one extra copy per tile and a Python loop over ceil(M / TILE_ROWS) tiles.
 """
 
@@ -46,10 +50,17 @@ def _flatten_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Size]:
     return x.reshape(-1, x.shape[-1]), x.shape[:-1]
 
 
+# Narrow GEMMs take another CPU code path in which a row's bits DO depend on its position in the
+# tile (measured, fp32: N <= 9 with K odd, e.g. [16, 33] @ [33, 7]); they are cheap, so they run
+# one row per call, which is invariant by construction. Wider ones were measured position invariant.
+MIN_TILED_N = 16
+
+
 def tile_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T (+ bias [N]) -> [..., N], in x's dtype."""
     rows, lead = _flatten_rows(x)
-    out = map_row_tiles(lambda t: F.linear(t, weight, bias), rows)  # [M, N]
+    tile_rows = TILE_ROWS if weight.shape[0] >= MIN_TILED_N else 1
+    out = map_row_tiles(lambda t: F.linear(t, weight, bias), rows, tile_rows)  # [M, N]
     return out.reshape(*lead, weight.shape[0])
 
 
@@ -75,16 +86,19 @@ def tile_log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def tile_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """SwiGLU: silu(gate) * up, gate and up [..., I] -> [..., I].
+    """SwiGLU: silu(gate) * up, gate and up [..., I] -> [..., I], computed in fp32, rounded once.
 
-    Elementwise, yet not free on the CPU: an elementwise kernel ends each thread's chunk with a scalar
-    tail whose libm may round differently from the vectorised body, and the chunk boundaries move with
-    numel. Fixed tiles pin them.
+    Elementwise, yet not free on the CPU: torch's vectorised elementwise loops finish with a scalar
+    tail, and F.silu's scalar and vector formulas round differently, so a row's bits would depend on
+    where it sits (measured: [16, 7] tiles). Here silu is g / (1 + exp(-g)): division, addition and
+    multiplication are exact IEEE ops in both paths, and torch's exp maps the tail through the vector
+    routine. Fixed tiles keep the thread split fixed as well.
     """
     inter = gate.shape[-1]
     rows, lead = _flatten_rows(torch.cat([gate, up], dim=-1))  # [M, 2I] = [gate | up]
 
     def fn(t: torch.Tensor) -> torch.Tensor:
-        return F.silu(t[:, :inter]) * t[:, inter:]
+        g, u = t[:, :inter].float(), t[:, inter:].float()
+        return (g / (1.0 + torch.exp(-g)) * u).to(t.dtype)
 
     return map_row_tiles(fn, rows).reshape(*lead, inter)

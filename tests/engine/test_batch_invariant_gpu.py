@@ -114,3 +114,31 @@ def test_triton_decode_attention_llama8b_heads() -> None:
         assert torch.equal(alone, full[r : r + 1]), f"row {r} (len {lens[r]}) differs"
     tiles = bi_paged_attention(q, k, v, tables, seq_lens, backend="tiles")
     assert_close_rel(full, tiles.double(), TOL[torch.bfloat16])
+
+
+def _ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def test_report_speed_vs_torch() -> None:
+    """Not a pass/fail check: prints bi vs torch timings at 8B shapes (run with -s to see them)."""
+    for k, n, name in ((MLP, HIDDEN, "down"), (HIDDEN, 2 * MLP, "gate_up"), (HIDDEN, VOCAB, "lm_head")):
+        w = _rand(n, k, dtype=torch.bfloat16, device="cuda", seed=7) / math.sqrt(k)
+        for m in (1, 16, 64, 256, 1024, 4096):
+            x = _rand(m, k, dtype=torch.bfloat16, device="cuda", seed=8)
+            bi, ref = _ms(lambda: TRITON.linear(x, w)), _ms(lambda: F.linear(x, w))
+            print(f"[bi-speed] linear {name} M={m}: bi {bi:.3f} ms, torch {ref:.3f} ms, ratio {ref / bi:.2f}")
+    lens = [2048] * 64
+    k_c, v_c, tables = make_cache(lens, torch.bfloat16, "cuda", hkv=8, d=128)
+    q = _rand(64, 32, 128, dtype=torch.bfloat16, device="cuda", seed=9)
+    seq_lens = torch.tensor(lens, device="cuda")
+    ms = _ms(lambda: bi_paged_attention(q, k_c, v_c, tables, seq_lens, backend="triton", max_seq_len=2048))
+    print(f"[bi-speed] decode attention 64 x 2048 keys, Hq=32 Hkv=8 D=128: {ms:.3f} ms per layer")

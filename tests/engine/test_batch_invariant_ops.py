@@ -80,31 +80,48 @@ def check_silu_mul(dtype: torch.dtype, device: str, ops: BatchInvariantOps, i: i
     for m in SIZES:
         assert torch.equal(ops.silu_mul(gate[:m], up[:m]), full[:m]), f"silu_mul rows 0..{m} differ"
     perm = torch.randperm(512, generator=torch.Generator().manual_seed(1)).to(device)
-    assert torch.equal(ops.silu_mul(gate[perm], up[perm]), full[perm])
+    assert torch.equal(ops.silu_mul(gate[perm], up[perm]), full[perm]), "silu_mul depends on row position"
     assert_close_rel(full, F.silu(gate.double()) * up.double(), TOL[dtype])
 
 
 OPS = BatchInvariantOps("tiles")
 
 
+@pytest.mark.parametrize("k,n", [(320, 200), (33, 7)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
-    check_linear(dtype, "cpu", OPS)
+def test_linear_is_batch_invariant_and_correct(dtype: torch.dtype, k: int, n: int) -> None:
+    check_linear(dtype, "cpu", OPS, k=k, n=n)
+
+
+@pytest.mark.parametrize("h", [576, 77])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_is_batch_invariant_and_correct(dtype: torch.dtype, h: int) -> None:
+    check_rms_norm(dtype, "cpu", OPS, h=h)
+
+
+@pytest.mark.parametrize("v", [5000, 33])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_log_softmax_is_batch_invariant_and_correct(dtype: torch.dtype, v: int) -> None:
+    check_log_softmax(dtype, "cpu", OPS, v=v)
+
+
+@pytest.mark.parametrize("i", [1000, 7, 1001])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_is_batch_invariant_and_correct(dtype: torch.dtype, i: int) -> None:
+    check_silu_mul(dtype, "cpu", OPS, i=i)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rms_norm_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
-    check_rms_norm(dtype, "cpu", OPS)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_log_softmax_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
-    check_log_softmax(dtype, "cpu", OPS)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_silu_mul_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
-    check_silu_mul(dtype, "cpu", OPS)
+def test_linear_row_position_over_model_shapes(dtype: torch.dtype) -> None:
+    """Position invariance inside a 16-row tile at SmolLM2 / Qwen2 / odd shapes (bits, 48 rows)."""
+    for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576), (896, 128), (63, 16), (127, 17), (65, 9)):
+        x = _rand(48, k, dtype=dtype, device="cpu", seed=k)
+        w = _rand(n, k, dtype=dtype, device="cpu", seed=n)
+        full = OPS.linear(x, w)
+        for seed in range(3):
+            perm = torch.randperm(48, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(OPS.linear(x[perm], w), full[perm]), f"[{k} -> {n}] depends on row position"
+        assert torch.equal(OPS.linear(x[:1], w), full[:1]), f"[{k} -> {n}] batch 1 differs"
 
 
 def test_linear_keeps_leading_dims() -> None:
@@ -121,6 +138,14 @@ def test_plain_torch_linear_is_not_batch_invariant_on_cpu() -> None:
     w = _rand(1536, 576, dtype=torch.float32, device="cpu", seed=11)
     if torch.equal(F.linear(x[:1], w), F.linear(x, w)[:1]):
         pytest.xfail("torch's CPU GEMM happens to be batch invariant on this machine")
+
+
+def test_plain_silu_depends_on_row_position_on_cpu() -> None:
+    """Control for the silu rewrite in tiles.tile_silu_mul: F.silu's scalar tail rounds differently."""
+    x = _rand(16, 7, dtype=torch.float32, device="cpu", seed=12) * 3
+    perm = torch.randperm(16, generator=torch.Generator().manual_seed(3))
+    if torch.equal(F.silu(x[perm]), F.silu(x)[perm]):
+        pytest.xfail("F.silu happens to be position invariant on this CPU")
 
 
 def test_unknown_backend_is_refused() -> None:
@@ -175,10 +200,11 @@ def reference_attention(q, k_cache, v_cache, tables, seq_lens, query_start_loc=N
 ATTN_SEQ_LENS = [1, 5, 63, 64, 65, 130, 200, 17, 300, 128, 2, 99, 256, 257, 31, 180, 77, 16, 33]
 
 
-def check_decode_attention(dtype: torch.dtype, device: str, backend: str, split: int = 64) -> None:
+def check_decode_attention(
+    dtype: torch.dtype, device: str, backend: str, split: int = 64, hq: int = 6, hkv: int = 2, d: int = 32
+) -> None:
     seq_lens = torch.tensor(ATTN_SEQ_LENS, device=device)
-    k, v, tables = make_cache(ATTN_SEQ_LENS, dtype, device)
-    hq, d = 6, k.shape[-1]
+    k, v, tables = make_cache(ATTN_SEQ_LENS, dtype, device, hkv=hkv, d=d)
     q = _rand(len(ATTN_SEQ_LENS), hq, d, dtype=dtype, device=device, seed=21)
     attn = lambda q_, t_, s_: bi_paged_attention(q_, k, v, t_, s_, split_size=split, backend=backend)  # noqa: E731
     full = attn(q, tables, seq_lens)
@@ -214,6 +240,10 @@ def check_multi_query_attention(dtype: torch.dtype, device: str, backend: str, s
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
     check_decode_attention(dtype, "cpu", "tiles")
+
+
+def test_decode_attention_smollm2_heads() -> None:
+    check_decode_attention(torch.float32, "cpu", "tiles", split=256, hq=9, hkv=3, d=64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
