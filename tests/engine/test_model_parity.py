@@ -124,3 +124,32 @@ def test_smollm2_matches_transformers_fp32(smollm2_source, smollm2_model) -> Non
         ref = hf(torch.tensor([seq])).logits[0]
     assert (ours - ref[: ours.shape[0]]).abs().max().item() <= TOL_SMOLLM2_FP32
     assert torch.equal(ours.argmax(-1), ref[: ours.shape[0]].argmax(-1))
+
+
+def test_load_weights_refuses_missing_and_misshaped() -> None:
+    hf = _random_hf_model(TINY_CONFIGS["qwen2-qkv-bias"](), seed=1)
+    state = dict(hf.state_dict())
+    model = build_model(hf.config, torch.float32, "cpu")
+    missing = {k: v for k, v in state.items() if k != "model.layers.1.self_attn.k_proj.bias"}
+    with pytest.raises(ValueError, match="1 weights missing.*k_proj.bias"):
+        model.load_weights(missing.items())
+    misshaped = dict(state, **{"model.norm.weight": torch.ones(3)})
+    with pytest.raises(ValueError, match=r"'model.norm.weight' has shape \(3,\), expected \(64,\)"):
+        model.load_weights(misshaped.items())
+    with pytest.raises(ValueError, match="unexpected weight 'model.extra'"):
+        model.load_weights([*state.items(), ("model.extra", torch.ones(1))])
+
+
+@pytest.mark.parametrize("rope", [{"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0},
+                                  {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}])
+def test_unsupported_rope_type_is_refused(rope: dict) -> None:
+    config = LlamaConfig(**_SMALL)
+    config.rope_parameters = rope
+    with pytest.raises(ValueError, match=r"^model: unsupported rope_type"):
+        build_model(config, torch.float32, "cpu")
+
+
+def test_sliding_window_is_refused() -> None:
+    config = Qwen2Config(**_SMALL, use_sliding_window=True, sliding_window=16)
+    with pytest.raises(ValueError, match="^model: sliding-window"):
+        build_model(config, torch.float32, "cpu")
