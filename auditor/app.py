@@ -24,6 +24,7 @@ from auditor.errors import exception_handlers
 from auditor.ledger import Ledger
 from auditor.metrics import Metrics
 from auditor.ratelimit import RateLimiter
+from auditor.replay import ReplayService
 from auditor.routes import default_route_handlers
 from auditor.routes.deps import Services
 from auditor.service import CompletionService
@@ -93,8 +94,10 @@ def create_app(
             attach_engine(services, engine)
         else:
             background.append(asyncio.create_task(_load_and_start(services, engine_loader)))
+        ReplayService.for_app(app).start()
 
     async def shutdown() -> None:
+        await ReplayService.for_app(app).stop()
         for task in background:
             task.cancel()
         if services.completions is not None:

@@ -1,0 +1,539 @@
+"""Replay and compare (DESIGN §5): re-execute a signed transcript on this server's engine and attest
+the outcome.
+
+    submit   (HTTP or CLI)  checks → replay_jobs row ``queued`` + access_log row, one transaction
+    worker   claims queued jobs (``running``) → ONE ``engine.replay`` call for the whole batch
+             (windows of several replays share G x W verify passes) → judge each → sign a replay
+             attestation (``replay`` role key) → log leaf + checkpoint + job ``done``, one transaction
+    restart  at start-up every job left ``running`` or ``queued`` is queued again and rerun
+
+Refused with 409 before any job exists: a transcript whose signature does not verify, one made with
+``deterministic=false`` (no verify windows: ``not_replayable``), one whose content (token ids, salt)
+was erased or holds no output token, and one made by other model weights (``model_mismatch``).
+
+Verdicts (``auditor.attestation.ReplayVerdict``):
+- ``match``: the canonical prefill and the verifier predicted exactly the stored token ids, and the
+  predictions hash to the signed output commitment and the signed float32 logprob digest.
+- ``mismatch``: the first divergent output position, its window, the stored (expected) token and the
+  replayed one. The comparison is against the stored token ids (the record under audit); the details
+  also say whether the *replayed* tokens still open the signed commitment, which tells an altered
+  record (replay reproduces what was signed) from an engine that no longer reproduces it.
+- ``inconclusive_environment``: the runtime fingerprint differs from the recorded one (bit-exactness
+  is promised on the same hardware and software). The replay still runs and its outcome is in the
+  details; only a different verify shape (G, W) cannot run, because the recorded passes cannot be
+  re-executed with another shape (``executed: false``).
+
+Single worker per process. The job row and its log leaf are written under the ledger's append lock
+in one transaction, so a crash leaves either a finished, logged job or a job that is rerun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import datetime as dt
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from engine.replay import ReplayRequest, ReplayResult
+from engine.sampling import SamplingParams
+from sqlalchemy import func, select, update
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from auditor import canonical as cn
+from auditor import merkle, repository
+from auditor.attestation import ReplayAttestationInputs, ReplayVerdict, SignedAttestation, sign_replay_attestation
+from auditor.auth import Principal
+from auditor.db.models import AccessAction, LeafKind, LogCheckpoint, LogLeaf, ReplayJob, ReplayStatus, Role
+from auditor.errors import ApiError, not_found
+from auditor.queries import record_access
+from auditor.repository import utc
+from auditor.transcript import Check, uuid7, verify_transcript
+from auditor.verify import bundle_entry
+
+if TYPE_CHECKING:
+    from auditor.routes.deps import Services
+
+log = logging.getLogger("auditor.replay")
+
+DEFAULT_MAX_QUEUED = 8
+"""Per-tenant limit on replays queued or running at once (429 beyond)."""
+MAX_BATCH = 32
+"""Most jobs handed to one ``engine.replay`` call."""
+MAX_WAIT_SECONDS = 600.0
+POLL_SECONDS = 2.0
+"""How often an idle worker looks for jobs queued by another process."""
+_ACTIVE = (ReplayStatus.QUEUED.value, ReplayStatus.RUNNING.value)
+_FINAL = (ReplayStatus.DONE.value, ReplayStatus.FAILED.value)
+
+
+def conflict(message: str, code: str) -> ApiError:
+    return ApiError(409, message, code=code)
+
+
+# --- the record under replay ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Record:
+    """A stored transcript whose signature verified, with its content."""
+
+    transcript_id: str
+    tenant: str
+    payload_digest: str
+    predicate: Mapping[str, Any]
+    prompt_ids: list[int]
+    output_ids: list[int]
+    salt: bytes
+    stored_logprobs: list[float]
+    record_checks: list[Check]
+    """Stored content against the signed commitments, window chain and logprob digest."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        s = self.predicate["windows"]["shape"]
+        return int(s["G"]), int(s["W"])
+
+    @property
+    def spans(self) -> list[tuple[int, int]]:
+        return [(int(s), int(e)) for s, e in self.predicate["windows"]["spans"]]
+
+    def replay_request(self, replay_id: str) -> ReplayRequest:
+        return ReplayRequest(replay_id, list(self.prompt_ids), list(self.output_ids), sampling_params(self.predicate),
+                             self.spans, self.shape)
+
+
+def sampling_params(predicate: Mapping[str, Any]) -> SamplingParams:
+    """The signed sampling parameters with the signed seed (unknown keys are ignored)."""
+    sampling = predicate["sampling"]
+    names = {f.name for f in dataclasses.fields(SamplingParams)}
+    params = {k: v for k, v in sampling["params"].items() if k in names and k != "seed"}
+    return SamplingParams(**{**params, "seed": int(sampling["seed"]), "deterministic": True})
+
+
+async def load_record(session: AsyncSession, jwks: Mapping[str, Any], transcript_id: str,
+                      tenant: str | None) -> Record:
+    """The transcript as a replayable record; 404 (other tenant too) or 409 with the reason."""
+    row = await repository.get_transcript(session, transcript_id)
+    if row is None or (tenant is not None and row.tenant != tenant):
+        raise not_found(f"transcript {transcript_id!r} not found")
+    envelope = json.loads(row.envelope)
+    content = await repository.get_content(session, row.id)
+    ids = (content.prompt_token_ids, content.output_token_ids) if content else (None, None)
+    verification = verify_transcript(envelope, jwks, prompt_ids=ids[0], output_ids=ids[1],
+                                     salt=bytes(content.salt) if content else None,
+                                     logprobs=content.token_logprobs if content else None)
+    if verification.statement is None:
+        raise conflict(f"transcript {row.id} cannot be replayed: its signature does not verify "
+                       f"({verification.checks[0].detail})", "transcript_invalid")
+    predicate = verification.statement["predicate"]
+    _check_replayable(row.id, predicate, content is not None)
+    assert content is not None
+    return Record(row.id, row.tenant, str(verification.payload_digest), predicate, list(content.prompt_token_ids),
+                  list(content.output_token_ids), bytes(content.salt), list(content.token_logprobs),
+                  verification.checks[2:])
+
+
+def _check_replayable(transcript_id: str, predicate: Mapping[str, Any], has_content: bool) -> None:
+    if not predicate["sampling"].get("deterministic"):
+        raise conflict(f"transcript {transcript_id} is not replayable: it was generated with deterministic=false, "
+                       "so no canonical prefill or verify windows were recorded; only deterministic transcripts "
+                       "can be replayed", "not_replayable")
+    if not has_content:
+        raise conflict(f"transcript {transcript_id} is not replayable: its token ids and salt were erased "
+                       "(the signature and log proofs still verify)", "not_replayable")
+    if int(predicate["tokens"]["output_count"]) == 0:
+        raise conflict(f"transcript {transcript_id} is not replayable: it has no output token", "not_replayable")
+
+
+def check_model(record: Record, model_info: Any) -> None:
+    """409 when the engine runs other weights than the transcript's: a replay would prove nothing."""
+    recorded = record.predicate["model"]
+    if recorded["weights_digest"] != model_info.weights_digest:
+        raise conflict(f"transcript {record.transcript_id} was generated by model {recorded['name']!r} "
+                       f"(weights {recorded['weights_digest']}); this server runs {model_info.name!r} "
+                       f"(weights {model_info.weights_digest}); replay refused", "model_mismatch")
+
+
+# --- environment and verdict ----------------------------------------------------------------------
+
+
+def engine_shape(engine: Any) -> tuple[int, int]:
+    """(G, W) of the engine's verify passes."""
+    config = getattr(engine, "config", None)
+    if config is not None:
+        return int(config.group), int(config.window)
+    return int(engine.group), int(engine.window)
+
+
+def environment_differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
+                            recorded_shape: tuple[int, int], current_shape: tuple[int, int]) -> dict[str, Any]:
+    """``{field: {recorded, current}}`` for every runtime fingerprint field that differs, plus
+    ``window_shape`` when the verify pass shape (G, W) differs."""
+    diff = {k: {"recorded": recorded.get(k), "current": current.get(k)}
+            for k in sorted(set(recorded) | set(current)) if recorded.get(k) != current.get(k)}
+    if tuple(recorded_shape) != tuple(current_shape):
+        diff["window_shape"] = {"recorded": list(recorded_shape), "current": list(current_shape)}
+    return diff
+
+
+@dataclass(frozen=True)
+class Outcome:
+    verdict: ReplayVerdict
+    details: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"verdict": self.verdict.value, "details": self.details}
+
+
+def judge(record: Record, result: ReplayResult, differences: Mapping[str, Any]) -> Outcome:
+    """Compare the replay with the stored tokens and the signed commitment / logprob digest."""
+    tokens = record.predicate["tokens"]
+    signed_lp = record.predicate["windows"]["logprob_digest"]
+    replayed_lp = cn.logprob_digest(result.token_logprobs)
+    details: dict[str, Any] = {
+        "executed": True, "tokens": len(record.output_ids), "windows": len(record.spans),
+        "tokens_match": result.first_mismatch is None,
+        "output_commitment_match": cn.output_commitment(record.salt, result.token_ids) == tokens["output_commitment"],
+        "logprob_digest_match": replayed_lp == signed_lp,
+        "replayed_logprob_digest": replayed_lp, "signed_logprob_digest": signed_lp,
+        "record_checks": {c.name: c.ok for c in record.record_checks},
+    }
+    divergence = _divergence(record, result, details)
+    if differences:
+        return Outcome(ReplayVerdict.INCONCLUSIVE_ENVIRONMENT,
+                       {**details, "differences": dict(differences), "divergence": divergence})
+    if divergence is not None:
+        return Outcome(ReplayVerdict.MISMATCH, {**details, **divergence})
+    return Outcome(ReplayVerdict.MATCH, details)
+
+
+def _divergence(record: Record, result: ReplayResult, details: Mapping[str, Any]) -> dict[str, Any] | None:
+    """Where the replay first departs from the record, or None when it reproduces it exactly."""
+    position = result.first_mismatch
+    if position is None and not (details["logprob_digest_match"] and details["output_commitment_match"]):
+        position = _first_logprob_difference(record.stored_logprobs, result.token_logprobs)
+    if position is None:
+        if details["logprob_digest_match"] and details["output_commitment_match"]:
+            return None
+        return {"window_index": None, "window": None, "position": None, "expected_token": None,
+                "replayed_token": None}
+    window = _window_of(record.spans, position)
+    return {"window_index": window, "window": list(record.spans[window]) if window is not None else None,
+            "position": position, "expected_token": record.output_ids[position],
+            "replayed_token": result.token_ids[position]}
+
+
+def _first_logprob_difference(stored: Sequence[float], replayed: Sequence[float]) -> int | None:
+    for i, (a, b) in enumerate(zip(stored, replayed)):
+        if cn.logprob_digest([a]) != cn.logprob_digest([b]):  # compare the float32 bits, as signed
+            return i
+    return None
+
+
+def _window_of(spans: Sequence[tuple[int, int]], position: int) -> int | None:
+    """Index of the window holding output ``position`` (None for token 0, from the prefill)."""
+    return next((k for k, (s, e) in enumerate(spans) if s <= position < e), None)
+
+
+def not_executed(differences: Mapping[str, Any], recorded: tuple[int, int], current: tuple[int, int]) -> Outcome:
+    return Outcome(ReplayVerdict.INCONCLUSIVE_ENVIRONMENT, {
+        "executed": False, "differences": dict(differences),
+        "reason": f"the transcript's verify passes have shape (G, W) = {recorded}; this engine runs {current}, "
+                  "so the recorded passes cannot be re-executed"})
+
+
+# --- jobs -------------------------------------------------------------------------------------------
+
+
+def job_json(job: ReplayJob) -> dict[str, Any]:
+    result = job.result or {}
+    return {
+        "id": job.id, "object": "replay", "transcript_id": job.transcript_id, "status": job.status,
+        "result": result.get("verdict"), "details": result.get("details"),
+        "attestation": json.loads(job.attestation) if job.attestation else None, "log_index": job.log_index,
+        "error": job.error, "requested_by": job.requested_by, "created_at": _iso(job.created_at),
+        "finished_at": _iso(job.finished_at) if job.finished_at else None,
+    }
+
+
+def _iso(value: dt.datetime) -> str:
+    return utc(value).isoformat().replace("+00:00", "Z")
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+@dataclass
+class _Claimed:
+    job_id: str
+    record: Record | None = None
+    outcome: Outcome | None = None
+    error: str | None = None
+    differences: dict[str, Any] | None = None
+
+
+class ReplayService:
+    """Replay jobs of one app (``ReplayService.for_app``) or of the CLI (``run_now``)."""
+
+    def __init__(self, services: Services, *, max_queued: int = DEFAULT_MAX_QUEUED, max_batch: int = MAX_BATCH) -> None:
+        self.services = services
+        self.max_queued = max_queued
+        self.max_batch = max_batch
+        self._submit_lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._finished: dict[str, asyncio.Event] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @classmethod
+    def for_app(cls, app: Any) -> ReplayService:
+        existing = getattr(app.state, "replays", None)
+        if existing is None:
+            existing = app.state.replays = cls(app.state.services)
+        return existing
+
+    # --- submit / read ---------------------------------------------------------------------------
+
+    async def submit(self, principal: Principal, transcript_id: str) -> dict[str, Any]:
+        """Check the transcript, queue a job (429 past the tenant's limit), log the access."""
+        engine = self._engine()
+        async with self._submit_lock, self.services.sessionmaker() as session, session.begin():
+            record = await load_record(session, self.services.keyring.jwks(), transcript_id, principal.tenant)
+            check_model(record, engine.model_info)
+            active = await _active_jobs(session, principal.tenant)
+            if active >= self.max_queued:
+                raise ApiError(429, f"tenant {principal.tenant!r} has {active} replays queued or running; the limit "
+                               f"is {self.max_queued}", code="replay_queue_full", headers={"Retry-After": "5"})
+            job = ReplayJob(id=str(uuid7()), tenant=principal.tenant, transcript_id=record.transcript_id,
+                            requested_by=principal.key_id, status=ReplayStatus.QUEUED.value, created_at=_now())
+            session.add(job)
+            await session.flush()
+            await record_access(session, principal, AccessAction.REPLAY, f"transcript:{record.transcript_id} "
+                                f"replay:{job.id}")
+        self._finished.setdefault(job.id, asyncio.Event())
+        self._wake.set()
+        log.info("replay queued", extra={"event": "replay_queued", "replay_id": job.id,
+                                         "transcript_id": record.transcript_id, "tenant": principal.tenant})
+        return job_json(job)
+
+    async def get(self, principal: Principal, replay_id: str, *, record: bool = True) -> dict[str, Any]:
+        async with self.services.sessionmaker() as session, session.begin():
+            job = await session.get(ReplayJob, replay_id)
+            if job is None or job.tenant != principal.tenant:
+                raise not_found(f"replay {replay_id!r} not found")
+            if record:
+                await record_access(session, principal, AccessAction.READ, f"replay:{replay_id}")
+            return {**job_json(job), "evidence": await self._evidence(session, job)}
+
+    async def _evidence(self, session: AsyncSession, job: ReplayJob) -> dict[str, Any] | None:
+        """The attestation as an offline-verifiable file (``auditor.verify``): envelope, inclusion proof
+        and the checkpoint it is proved against."""
+        if job.attestation is None or job.log_index is None:
+            return None
+        checkpoint = await self.services.ledger.checkpoint(session)
+        proof = await self.services.ledger.inclusion_proof(session, job.log_index, checkpoint.tree_size)
+        return bundle_entry(json.loads(job.attestation), proof, checkpoint.note)
+
+    async def wait(self, principal: Principal, replay_id: str, timeout: float = MAX_WAIT_SECONDS) -> dict[str, Any]:
+        """The job once finished (or as it stands after ``timeout`` seconds)."""
+        event = self._finished.setdefault(replay_id, asyncio.Event())
+        job = await self.get(principal, replay_id, record=False)
+        if job["status"] not in _FINAL:
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                pass
+            job = await self.get(principal, replay_id, record=False)
+        self._finished.pop(replay_id, None)
+        return job
+
+    def _engine(self) -> Any:
+        self.services.require_completions()  # 503 while the model loads or when it failed
+        return self.services.engine
+
+    # --- worker -----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._work(), name="replay-worker")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _work(self) -> None:
+        requeued = await self.requeue()
+        if requeued:
+            log.info("replay jobs requeued", extra={"event": "replay_requeued", "count": requeued})
+        await self.services.engine_loaded.wait()
+        if self.services.engine is None:
+            log.error("replay worker idle: the engine failed to load (%s)", self.services.engine_error)
+            return
+        while True:
+            try:
+                ran = await self.run_batch(await self._claim())
+            except Exception:
+                log.exception("replay batch failed")
+                ran = 0
+            if not ran:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), POLL_SECONDS)
+                except TimeoutError:
+                    pass
+                self._wake.clear()
+
+    async def requeue(self) -> int:
+        """Jobs left ``running`` by a stopped process are queued again (their result was never committed)."""
+        async with self.services.sessionmaker() as session, session.begin():
+            result = await session.execute(update(ReplayJob).where(ReplayJob.status == ReplayStatus.RUNNING.value)
+                                           .values(status=ReplayStatus.QUEUED.value))
+            return int(result.rowcount or 0)
+
+    async def _claim(self, job_ids: Sequence[str] | None = None) -> list[str]:
+        """Mark up to ``max_batch`` queued jobs (oldest first, or the given ones) running."""
+        async with self.services.sessionmaker() as session, session.begin():
+            query = select(ReplayJob.id).where(ReplayJob.status == ReplayStatus.QUEUED.value)
+            if job_ids is not None:
+                query = query.where(ReplayJob.id.in_(list(job_ids)))
+            ids = list((await session.scalars(query.order_by(ReplayJob.created_at, ReplayJob.id)
+                                              .limit(self.max_batch))).all())
+            if ids:
+                await session.execute(update(ReplayJob).where(ReplayJob.id.in_(ids))
+                                      .values(status=ReplayStatus.RUNNING.value))
+        return ids
+
+    async def run_batch(self, job_ids: Sequence[str]) -> int:
+        """Replay ``job_ids`` (already ``running``) in one engine call and finish each job."""
+        if not job_ids:
+            return 0
+        engine = self.services.engine
+        claimed = [await self._prepare(job_id, engine) for job_id in job_ids]
+        runnable = [c for c in claimed if c.record is not None and c.outcome is None and c.error is None]
+        await self._execute(engine, runnable)
+        for c in claimed:
+            await self._finish(c, engine)
+        return len(claimed)
+
+    async def _prepare(self, job_id: str, engine: Any) -> _Claimed:
+        claimed = _Claimed(job_id)
+        try:
+            async with self.services.sessionmaker() as session:
+                job = await session.get(ReplayJob, job_id)
+                assert job is not None, job_id
+                claimed.record = await load_record(session, self.services.keyring.jwks(), job.transcript_id, job.tenant)
+            check_model(claimed.record, engine.model_info)
+        except ApiError as exc:
+            claimed.error = exc.message
+            return claimed
+        current = engine_shape(engine)
+        claimed.differences = environment_differences(claimed.record.predicate["runtime"],
+                                                      engine.runtime_fingerprint(), claimed.record.shape, current)
+        if claimed.record.shape != current:
+            claimed.outcome = not_executed(claimed.differences, claimed.record.shape, current)
+        return claimed
+
+    async def _execute(self, engine: Any, runnable: list[_Claimed]) -> None:
+        """One ``engine.replay`` for all; if the engine refuses the batch, each alone (to name the bad one)."""
+        if not runnable:
+            return
+        try:
+            results = await engine.replay([c.record.replay_request(c.job_id) for c in runnable])  # type: ignore[union-attr]
+        except ValueError as exc:
+            if len(runnable) == 1:
+                runnable[0].error = f"the engine refused the recorded windows: {exc}"
+                return
+            for c in runnable:
+                await self._execute(engine, [c])
+            return
+        except Exception as exc:  # noqa: BLE001 - recorded on each job; the worker carries on
+            log.exception("engine replay failed")
+            for c in runnable:
+                c.error = f"engine replay failed: {type(exc).__name__}: {exc}"
+            return
+        for c, result in zip(runnable, results):
+            assert result.replay_id == c.job_id, (result.replay_id, c.job_id)
+            c.outcome = judge(c.record, result, c.differences or {})  # type: ignore[arg-type]
+
+    async def _finish(self, claimed: _Claimed, engine: Any) -> None:
+        signed = None
+        if claimed.outcome is not None:
+            assert claimed.record is not None
+            signed = sign_replay_attestation(ReplayAttestationInputs(
+                replay_id=claimed.job_id, transcript_id=claimed.record.transcript_id,
+                transcript_payload_digest=claimed.record.payload_digest, result=claimed.outcome.verdict,
+                replayed_at=_now().strftime("%Y-%m-%dT%H:%M:%S.%fZ"), engine_fingerprint=engine.runtime_fingerprint(),
+                system_fingerprint=engine.system_fingerprint(), details=claimed.outcome.details),
+                self.services.keyring)
+        await self._commit(claimed, signed)
+        log.info("replay finished", extra={
+            "event": "replay_done", "replay_id": claimed.job_id,
+            "verdict": claimed.outcome.verdict.value if claimed.outcome else None, "error": claimed.error})
+        self._finished.setdefault(claimed.job_id, asyncio.Event()).set()
+
+    async def _commit(self, claimed: _Claimed, signed: SignedAttestation | None) -> None:
+        """Job completion and its attestation's log leaf + checkpoint in ONE transaction, under the
+        ledger's append lock (the same lock and tree transcripts are appended with)."""
+        ledger = self.services.ledger
+        async with ledger._lock:  # noqa: SLF001 - the ledger has no public hook for non-transcript leaves yet
+            try:
+                async with self.services.sessionmaker() as session, session.begin():
+                    job = await session.get(ReplayJob, claimed.job_id)
+                    assert job is not None, claimed.job_id
+                    if signed is not None:
+                        job.log_index = await _append_leaf(session, ledger, signed, job.id)
+                        job.attestation = cn.canonical_json(signed.envelope)
+                    job.result = claimed.outcome.to_json() if claimed.outcome else None
+                    job.status = ReplayStatus.DONE.value if signed is not None else ReplayStatus.FAILED.value
+                    job.error = claimed.error
+                    job.finished_at = _now()
+            except BaseException:
+                ledger._tree = None  # noqa: SLF001 - as Ledger.append does: the rebuilt tree is the truth
+                raise
+
+    # --- CLI ----------------------------------------------------------------------------------------
+
+    async def run_now(self, transcript_id: str, requested_by: str = "cli") -> dict[str, Any]:
+        """Queue and run one replay in this process (``python -m auditor replay``)."""
+        async with self.services.sessionmaker() as session:
+            row = await repository.get_transcript(session, transcript_id)
+        if row is None:
+            raise not_found(f"transcript {transcript_id!r} not found")
+        principal = Principal(requested_by, row.tenant, Role.ADMIN)
+        job = await self.submit(principal, transcript_id)
+        await self.run_batch(await self._claim([job["id"]]))
+        return await self.get(principal, job["id"], record=False)
+
+
+async def _active_jobs(session: AsyncSession, tenant: str) -> int:
+    query = select(func.count()).select_from(ReplayJob).where(ReplayJob.tenant == tenant,
+                                                               ReplayJob.status.in_(_ACTIVE))
+    return int((await session.scalar(query)) or 0)
+
+
+async def _append_leaf(session: AsyncSession, ledger: Any, signed: SignedAttestation, job_id: str) -> int:
+    """Append the attestation's envelope digest to the log and sign the new checkpoint; returns its index."""
+    await repository.lock_log(session)
+    tree = await ledger._synced_tree(session)  # noqa: SLF001
+    index = tree.size
+    leaf_hash = merkle.leaf_hash(signed.leaf_data)
+    await repository.add_leaf(session, LogLeaf(index=index, leaf_hash=leaf_hash, entry=signed.leaf_data,
+                                               kind=LeafKind.REPLAY_ATTESTATION.value, transcript_id=None,
+                                               replay_job_id=job_id, created_at=_now()))
+    tree.append_leaf_hash(leaf_hash)
+    checkpoint = ledger._sign(tree.size, tree.root())  # noqa: SLF001
+    await repository.add_checkpoint(session, LogCheckpoint(tree_size=checkpoint.tree_size,
+                                                           root_hash=checkpoint.root_hash, note=checkpoint.note,
+                                                           created_at=_now()))
+    return index
+
+
+def attestation_statement(job: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The (unverified) Statement inside a job's attestation, for display."""
+    envelope = job.get("attestation")
+    return json.loads(base64.b64decode(envelope["payload"])) if envelope else None
