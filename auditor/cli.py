@@ -115,7 +115,10 @@ def _keys_parser(parser: argparse.ArgumentParser) -> None:
 
 
 async def _with_session(args: argparse.Namespace, action: Callable[[Any], Any]) -> Any:
+    """Run ``action`` in one transaction on a database migrated to head (a fresh one is created)."""
     settings = settings_from(args)
+    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    await asyncio.to_thread(migrate.upgrade, settings.resolved_database_url, schema=settings.database_schema)
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
     try:
         async with create_sessionmaker(db)() as session, session.begin():
@@ -216,10 +219,17 @@ SUBCOMMANDS: list[Command] = [
 ]
 
 
+def plugin_commands() -> list[Command]:
+    """Subcommands other parts contribute (reports: export, verify-bundle, retention, purge)."""
+    from auditor.reports.cli import COMMANDS
+
+    return list(COMMANDS)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m auditor", description="Verbatim audit service")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, configure in SUBCOMMANDS:
+    for name, help_text, configure in [*SUBCOMMANDS, *plugin_commands()]:
         configure(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 

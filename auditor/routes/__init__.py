@@ -11,6 +11,7 @@ def default_route_handlers() -> list[Any]:
     from auditor.routes.health import ROUTES
     from auditor.routes.keys import KeysController
     from auditor.routes.log import LogController
+    from auditor.routes.reports import ReportsController
     from auditor.routes.transcripts import TranscriptsController
 
-    return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController]
+    return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController, ReportsController]
