@@ -157,9 +157,12 @@ def bi_paged_attention(
 ) -> torch.Tensor:
     """Causal paged attention with a fixed split size: q [T, Hq, D] -> [T, Hq, D] in q's dtype.
 
-    `max_seq_len` (host int, optional) sizes the CUDA launch without a device sync; it never changes
-    a result. backend: "auto" (Triton on CUDA, tiles elsewhere), "triton" or "tiles".
+    `split_size` is part of the numerics (record it with the runtime identity); `max_seq_len` (host
+    int, >= every seq_len, optional) sizes the CUDA launch without a device sync and never changes a
+    result. backend: "auto" (Triton on CUDA, tiles elsewhere), "triton" or "tiles".
     """
+    if backend not in ("auto", "triton", "tiles"):
+        raise ValueError(f"unknown backend {backend!r}; expected auto, triton or tiles")
     check_shapes(q, k_cache, v_cache, block_tables)
     if split_size <= 0 or split_size & (split_size - 1):
         raise ValueError(f"split_size must be a power of two, got {split_size}")

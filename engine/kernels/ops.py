@@ -12,9 +12,14 @@ A model takes an `ops` object and never calls `F.linear`, RMSNorm or log-softmax
     logprobs = ops.log_softmax(logits.float())
 
 The engine builds one object from the config, once: `TORCH_OPS` for `dvr` / `nondeterministic`
-(plain torch, shape-dependent, fast), `BatchInvariantOps()` for `batch_invariant`. Attention is not in
-here (it belongs to the attention backend); the batch-invariant decode attention is
-`engine.kernels.bi_paged_attention`.
+(plain torch, shape-dependent, fast), `BatchInvariantOps()` for `batch_invariant`, and hands it to the
+model (constructor or forward argument). Every GEMM (q/k/v/o, gate/up/down, lm_head), every norm and
+the SwiGLU must go through it; one stray `x @ w.T` breaks the mode. Inputs may be [T, H] or [..., H].
+
+Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode the backend
+should call `engine.kernels.bi_paged_attention` for EVERY pass kind (prefill, decode): a query's bits
+there depend only on its absolute position and the cache, so chunked prefill, decode and a prefill of
+the same tokens agree bitwise, whatever the batch.
 """
 
 from __future__ import annotations
