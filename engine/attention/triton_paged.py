@@ -64,9 +64,9 @@ def _kernels() -> tuple[ModuleType, object, object, object]:
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
         stride_ot, stride_oh,
-        stride_bt,
+        stride_bt, table_cols,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         r = tl.program_id(0)
         qt_rel = tl.program_id(1)
@@ -95,14 +95,15 @@ def _kernels() -> tuple[ModuleType, object, object, object]:
         for kt in range(0, num_tiles):
             kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
             k_valid = kpos < seq_len
-            blk = tl.load(bt_ptr + r * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
+            col = kpos // BLOCK_SIZE
+            blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
             off = kpos % BLOCK_SIZE
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
             v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
-            s = tl.dot(q, tl.trans(k)) * qk_scale                # [BM, BN], log2 domain
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [BM, BN], log2 domain
             causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -110,7 +111,7 @@ def _kernels() -> tuple[ModuleType, object, object, object]:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
@@ -124,12 +125,12 @@ def _kernels() -> tuple[ModuleType, object, object, object]:
         stride_qt, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
-        stride_bt,
+        stride_bt, table_cols,
         stride_mo_t, stride_mo_h, stride_mo_s,
         stride_ml_t, stride_ml_h,
         BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
         r = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -149,20 +150,21 @@ def _kernels() -> tuple[ModuleType, object, object, object]:
         for k0 in range(start, end, BLOCK_N):
             kpos = k0 + tl.arange(0, BLOCK_N)
             k_valid = kpos < end
-            blk = tl.load(bt_ptr + r * stride_bt + kpos // BLOCK_SIZE, mask=k_valid, other=0)
+            col = kpos // BLOCK_SIZE
+            blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
             off = kpos % BLOCK_SIZE
             kv_mask = k_valid[:, None] & d_mask[None, :]
             k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
             v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                         + offs_d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * qk_scale                # [GP, BN]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [GP, BN]
             s = tl.where(k_valid[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
         # an empty split (start >= seq_len) runs no tile: lse = -inf marks it and the merge skips it
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -216,6 +218,11 @@ def _check_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) 
     return block_size, num_kv_heads, num_heads // num_kv_heads
 
 
+def _dot_precision(q: torch.Tensor) -> str:
+    """fp32 caches get true fp32 products (Triton's default would be tf32); 16-bit inputs ignore it."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -247,9 +254,9 @@ def prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.shape[1],
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N,
+        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q),
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
     return out
@@ -304,11 +311,12 @@ def decode_attention(
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        block_tables.stride(0),
+        block_tables.stride(0), block_tables.shape[1],
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
+        DOT_PRECISION=_dot_precision(q),
         num_warps=4, num_stages=2,
     )
     merge_kernel[(num_rows, num_heads)](

