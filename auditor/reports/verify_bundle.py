@@ -19,6 +19,7 @@ keys were all replaced is self-consistent, so compare the report key id with the
 
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import zipfile
@@ -317,11 +318,13 @@ def _scope(ctx: _Ctx, statement: Mapping[str, Any], content: Any, where: Mapping
     problems = []
     if p["transcript"].get("tenant") != ctx.manifest["tenant"]:
         problems.append(f"tenant {p['transcript'].get('tenant')!r} is not the report's {ctx.manifest['tenant']!r}")
-    received = str(p.get("request", {}).get("received_at", ""))
-    if f.get("since") and received < f["since"]:
-        problems.append(f"received {received} before the period start {f['since']}")
-    if f.get("until") and received >= f["until"]:
-        problems.append(f"received {received} at or after the period end {f['until']}")
+    received = _instant(p.get("request", {}).get("received_at"))
+    if received is None:
+        problems.append(f"received_at {p.get('request', {}).get('received_at')!r} is not an RFC 3339 time")
+    elif f.get("since") and received < _instant(f["since"]):
+        problems.append(f"received {received.isoformat()} before the period start {f['since']}")
+    elif f.get("until") and received >= _instant(f["until"]):
+        problems.append(f"received {received.isoformat()} at or after the period end {f['until']}")
     if f.get("model") and p.get("model", {}).get("name") != f["model"]:
         problems.append(f"model {p.get('model', {}).get('name')!r} is not the filter's {f['model']!r}")
     if f.get("deterministic_only") and not p.get("sampling", {}).get("deterministic"):
@@ -329,6 +332,13 @@ def _scope(ctx: _Ctx, statement: Mapping[str, Any], content: Any, where: Mapping
     if content is not None and not f.get("include_content"):
         problems.append("content present although the report excludes content")
     result.add("scope", not problems, "; ".join(problems) or "within the report's tenant and filters", **where)
+
+
+def _instant(text: Any) -> dt.datetime | None:
+    try:
+        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def _manifest_index(ctx: _Ctx, seen: Sequence[str], result: BundleVerification) -> None:

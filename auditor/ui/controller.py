@@ -51,7 +51,10 @@ def _utc_param(value: str | None) -> str | None:
     """An HTML ``datetime-local`` value (no zone) read as UTC, in the API's form."""
     if not value:
         return None
-    parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    try:
+        parsed = dt.datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
+        raise ApiError(400, f"not a date and time: {value!r}", param="since/until") from None
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=dt.UTC)
     return parsed.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
