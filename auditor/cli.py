@@ -220,10 +220,11 @@ SUBCOMMANDS: list[Command] = [
 
 
 def plugin_commands() -> list[Command]:
-    """Subcommands other parts contribute (reports: export, verify-bundle, retention, purge)."""
+    """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge)."""
+    from auditor import replay_cli
     from auditor.reports.cli import COMMANDS
 
-    return list(COMMANDS)
+    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,9 @@ def default_route_handlers() -> list[Any]:
     from auditor.routes.health import ROUTES
     from auditor.routes.keys import KeysController
     from auditor.routes.log import LogController
+    from auditor.routes.replay import ReplayController
     from auditor.routes.reports import ReportsController
     from auditor.routes.transcripts import TranscriptsController
 
-    return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController, ReportsController]
+    return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController, ReplayController,
+            ReportsController]
