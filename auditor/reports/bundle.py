@@ -85,6 +85,11 @@ def _transcript(entry: TranscriptEntry, include_content: bool, keys: Mapping[str
     return _Transcript(line, statement, signature_ok, inclusion_ok, kids)
 
 
+def _attestation_kids(replays: Sequence[Mapping[str, Any]]) -> list[str]:
+    return [str(sig.get("keyid")) for r in replays if isinstance(r.get("attestation"), Mapping)
+            for sig in r["attestation"].get("signatures", [])]
+
+
 def _zip(files: Mapping[str, bytes], when: dt.datetime) -> bytes:
     stamp = when.astimezone(dt.UTC).timetuple()[:6]
     buf = io.BytesIO()
@@ -133,7 +138,7 @@ def build_bundle(inputs: BundleInputs, signer: Signer) -> bytes:
     filters = inputs.filters.to_json()
     created_at = iso_utc(inputs.created_at)
     stats = compute_stats([t.statement for t in made], replays, inputs.jwks,
-                          [k for t in made for k in t.signer_kids],
+                          [*(k for t in made for k in t.signer_kids), *_attestation_kids(replays), signer.kid],
                           sum(t.signature_ok for t in made), sum(t.inclusion_ok for t in made))
     content = [ContentItem(t.line["transcript_id"], t.line["content"]["prompt_text"], t.line["content"]["output_text"])
                for t in made if "content" in t.line] if include else None

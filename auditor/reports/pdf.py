@@ -75,7 +75,7 @@ def _replays(n: Narrative) -> list[Flowable]:
 
 def _keys_and_log(n: Narrative) -> list[Flowable]:
     s = n.stats
-    keys = [["Key id (RFC 7638)", "Role", "Status", "Signed here"]]
+    keys = [["Key id (RFC 7638)", "Role", "Status", "Signatures here"]]
     keys += [[k.kid, k.role, k.status, str(k.signed_in_report)] for k in s.keys]
     log = [["", "Origin", "Tree size", "Root hash"],
            ["Period start", n.start.origin, str(n.start.tree_size), root_hex(n.start)],

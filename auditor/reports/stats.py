@@ -36,6 +36,7 @@ class KeyUse:
     role: str
     status: str
     signed_in_report: int
+    """Transcripts, replay attestations and the manifest this key signed in the bundle."""
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,8 @@ def test_report_html_and_pdf_have_the_narrative(log_and_start: tuple[SampleLog, 
         assert f"<h2>{heading}</h2>" in html
     assert html.count("data:image/png;base64,") == 3 and "http://" not in html and "https://" not in html
     assert "80.0 %" in html  # 4 of 5 deterministic
+    for role, signed in (("transcript", 5), ("replay", 2), ("report", 1), ("checkpoint", 0)):
+        assert f'<td>{role}</td><td>active</td><td class="num">{signed}</td>' in html
     assert files["report.pdf"].startswith(b"%PDF-") and len(files["report.pdf"]) > 10_000
 
 
