@@ -1,0 +1,154 @@
+"""Triton kernels of engine.attention.triton_paged (imported lazily: only on the CUDA path).
+
+Layouts, invariance argument and launch parameters: see triton_paged.py.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt, table_cols,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0)
+    qt_rel = tl.program_id(1)
+    h = tl.program_id(2)
+    kvh = h // GROUP
+    q_start = tl.load(qsl_ptr + r)
+    q_len = tl.load(qsl_ptr + r + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + r)
+    ctx_len = seq_len - q_len
+    # absolute query tile of this program
+    qt = ctx_len // BLOCK_M + qt_rel
+    pos = qt * BLOCK_M + tl.arange(0, BLOCK_M)            # [BM] absolute query positions
+    q_valid = (pos >= ctx_len) & (pos < seq_len)
+    tok = q_start + (pos - ctx_len)                        # row of q / o for each position
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=q_valid[:, None] & d_mask[None, :], other=0.0)   # [BM, BD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    last_key = tl.minimum(qt * BLOCK_M + BLOCK_M, seq_len)  # exclusive bound of keys any row sees
+    # no key tile for a query tile past the row's end (its program writes nothing)
+    num_tiles = tl.cdiv(last_key, BLOCK_N) * (qt * BLOCK_M < seq_len).to(tl.int32)
+    for kt in range(0, num_tiles):
+        kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
+        k_valid = kpos < seq_len
+        col = kpos // BLOCK_SIZE
+        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+        off = kpos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [BM, BN], log2 domain
+        causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (invalid rows)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=q_valid[:, None] & d_mask[None, :])
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, mid_o_ptr, mid_lse_ptr,
+    seq_lens_ptr, bt_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_bt, table_cols,
+    stride_mo_t, stride_mo_h, stride_mo_s,
+    stride_ml_t, stride_ml_h,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    r = tl.program_id(0)
+    kvh = tl.program_id(1)
+    sp = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + r)
+    start = sp * SPLIT
+    heads = kvh * GROUP + tl.arange(0, GROUP_PAD)          # [GP] query heads of this KV head
+    h_valid = tl.arange(0, GROUP_PAD) < GROUP
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=h_valid[:, None] & d_mask[None, :], other=0.0)  # [GP, BD]
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    end = tl.minimum(start + SPLIT, seq_len)
+    for k0 in range(start, end, BLOCK_N):
+        kpos = k0 + tl.arange(0, BLOCK_N)
+        k_valid = kpos < end
+        col = kpos // BLOCK_SIZE
+        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+        off = kpos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [GP, BN]
+        s = tl.where(k_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    # an empty split (start >= seq_len) runs no tile: lse = -inf marks it and the merge skips it
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(l_i))
+    tl.store(mid_o_ptr + r * stride_mo_t + heads[:, None] * stride_mo_h + sp * stride_mo_s
+             + offs_d[None, :], out, mask=h_valid[:, None] & d_mask[None, :])
+    tl.store(mid_lse_ptr + r * stride_ml_t + heads * stride_ml_h + sp, lse, mask=h_valid)
+
+@triton.jit
+def _decode_merge_kernel(
+    mid_o_ptr, mid_lse_ptr, o_ptr,
+    stride_mo_t, stride_mo_h, stride_mo_s,
+    stride_ml_t, stride_ml_h,
+    stride_ot, stride_oh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    m = tl.full([BLOCK_D], float("-inf"), tl.float32)  # vectors, so loop-carried types never change
+    l = tl.zeros([BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for sp in range(0, NUM_SPLITS):  # fixed increasing order
+        lse = tl.load(mid_lse_ptr + r * stride_ml_t + h * stride_ml_h + sp)
+        if lse > float("-inf"):
+            o = tl.load(mid_o_ptr + r * stride_mo_t + h * stride_mo_h + sp * stride_mo_s + offs_d,
+                        mask=d_mask, other=0.0)
+            m_new = tl.maximum(m, lse)
+            alpha = tl.exp2(m - m_new)
+            w = tl.exp2(lse - m_new)
+            acc = acc * alpha + o * w
+            l = l * alpha + w
+            m = m_new
+    tl.store(o_ptr + r * stride_ot + h * stride_oh + offs_d, (acc / l).to(o_ptr.dtype.element_ty),
+             mask=d_mask)
