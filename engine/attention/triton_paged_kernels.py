@@ -48,6 +48,7 @@ def _prefill_kernel(
         k_valid = kpos < seq_len
         col = kpos // BLOCK_SIZE
         blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+        blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
         off = kpos % BLOCK_SIZE
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
@@ -103,6 +104,7 @@ def _decode_split_kernel(
         k_valid = kpos < end
         col = kpos // BLOCK_SIZE
         blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+        blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
         off = kpos % BLOCK_SIZE
         kv_mask = k_valid[:, None] & d_mask[None, :]
         k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
