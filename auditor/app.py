@@ -60,7 +60,8 @@ def build_services(settings: Settings) -> Services:
 def attach_engine(services: Services, engine: Any) -> None:
     services.engine = engine
     services.completions = CompletionService(engine, services.ledger, services.metrics,
-                                             max_prompt_tokens=services.settings.max_prompt_tokens)
+                                             max_prompt_tokens=services.settings.max_prompt_tokens,
+                                             max_tokens_limit=services.settings.max_tokens_limit)
     services.engine_loaded.set()
 
 

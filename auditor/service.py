@@ -106,11 +106,13 @@ def engine_error(exc: ValueError) -> ApiError:
 
 
 class CompletionService:
-    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, max_prompt_tokens: int) -> None:
+    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, max_prompt_tokens: int,
+                 max_tokens_limit: int) -> None:
         self.engine = engine
         self.ledger = ledger
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
+        self.max_tokens_limit = max_tokens_limit
         self._background: set[asyncio.Task[Any]] = set()
 
     @property
@@ -126,6 +128,9 @@ class CompletionService:
             raise ApiError(413, f"prompt has {len(prompt_ids)} tokens; the limit is {self.max_prompt_tokens}",
                            param="messages" if request.messages is not None else "prompt",
                            code="prompt_too_long")
+        if request.max_tokens > self.max_tokens_limit:
+            raise bad_request(f"max_tokens must be <= {self.max_tokens_limit}, got {request.max_tokens}",
+                              param="max_tokens")
         seed = request.seed
         if seed is None and request.deterministic:
             seed = secrets.randbits(64)
@@ -171,6 +176,10 @@ class CompletionService:
                 last = output
         except asyncio.CancelledError:
             self.record_disconnect(prepared, last)
+            raise
+        except Exception:
+            if last is not None:  # the engine failed mid-way: keep what was committed, status error
+                await self.record_shielded(prepared, last, Status.ERROR)
             raise
         if last is None:
             raise RuntimeError(f"engine produced no output for request {prepared.transcript_id}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +19,8 @@ from auditor.routes.deps import Services, provide_principal
 from auditor.routes.openai_format import ChunkWriter, final_body
 from auditor.service import CompletionService, GenerationRequest, Prepared
 from auditor.transcript import Status
+
+log = logging.getLogger("auditor.completions")
 
 TRANSCRIPT_HEADER = "Verbatim-Transcript-Id"
 GENERATE_ROLES = (Role.CLIENT, Role.ADMIN)
@@ -90,6 +93,14 @@ async def _sse(service: CompletionService, prepared: Prepared, fingerprint: str)
     except ApiError as exc:
         generating = False
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code))
+    except Exception:
+        if not generating:
+            raise  # recording failed: nothing was committed, end the stream without [DONE]
+        generating = False
+        log.exception("generation failed mid-stream", extra={"transcript_id": prepared.transcript_id})
+        if last is not None:
+            await service.record_shielded(prepared, last, Status.ERROR)
+        yield _event(error_body(500, "generation failed; the committed tokens were recorded", None, "engine_error"))
     finally:
         if generating:
             service.record_disconnect(prepared, last)

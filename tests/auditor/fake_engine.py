@@ -85,12 +85,14 @@ class EngineStats:
 
 
 class FakeAsyncEngine:
-    def __init__(self, *, window: int = 8, group: int = 4, step_delay: float = 0.002) -> None:
+    def __init__(self, *, window: int = 8, group: int = 4, step_delay: float = 0.002,
+                 fail_after_commits: int | None = None) -> None:
         self.tokenizer = CharTokenizer()
         self.model_info = ModelInfo()
         self.window = window
         self.group = group
         self.step_delay = step_delay
+        self.fail_after_commits = fail_after_commits
         self._last: dict[str, RequestOutput] = {}
         self._stats = EngineStats()
         self.started = False
@@ -133,9 +135,13 @@ class FakeAsyncEngine:
         self._stats.running += 1
         self._stats.prompt_tokens += len(prompt_token_ids)
         try:
+            commits = 0
             while not out.finished:
                 await asyncio.sleep(self.step_delay)
+                if commits == self.fail_after_commits:
+                    raise RuntimeError("injected engine failure")
                 self._commit(out, params)
+                commits += 1
                 yield replace(out, token_ids=list(out.token_ids), token_logprobs=list(out.token_logprobs),
                               windows=list(out.windows))
         finally:

@@ -375,3 +375,22 @@ async def test_list_filters_and_pagination(fake_server: LiveServer) -> None:
     assert page1["has_more"] and page2["has_more"] and not page3["has_more"]
     assert len(nondet) == 2 and all(not t["deterministic"] for t in nondet)
     assert later == [] and by_model == []
+
+
+async def test_engine_failure_records_committed_tokens_with_status_error(tmp_path: Path) -> None:
+    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
+    server = await start_server(settings, FakeAsyncEngine(window=2, fail_after_commits=3))
+    request = completion(max_tokens=50, ignore_eos=True)
+    try:
+        async with server.client(server.keys["client"]) as client:
+            plain = await client.post("/v1/completions", json=request)
+            async with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+                streamed_id = response.headers["Verbatim-Transcript-Id"]
+                events = await sse_events(response)
+            listed = (await client.get("/v1/transcripts", params={"status": "error"})).json()["data"]
+    finally:
+        await asyncio.to_thread(server.stop)
+    assert plain.status_code == 500 and plain.json()["error"]["type"] == "server_error"
+    assert json.loads(events[-2])["error"]["code"] == "engine_error" and events[-1] == "[DONE]"
+    assert len(listed) == 2 and streamed_id in {t["id"] for t in listed}
+    assert all(t["completion_tokens"] == 5 for t in listed)
