@@ -23,7 +23,8 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
   details; only a different verify shape (G, W) cannot run, because the recorded passes cannot be
   re-executed with another shape (``executed: false``).
 
-Single worker per process. The job row and its log leaf are written under the ledger's append lock
+One replay worker per database: at start-up it takes back every ``running`` job, so run one server
+process per database (as ``make serve`` does). The job row and its log leaf are written under the ledger's append lock
 in one transaction, so a crash leaves either a finished, logged job or a job that is rerun.
 """
 
@@ -257,7 +258,7 @@ def job_json(job: ReplayJob) -> dict[str, Any]:
         "result": result.get("verdict"), "details": result.get("details"),
         "attestation": json.loads(job.attestation) if job.attestation else None, "log_index": job.log_index,
         "error": job.error, "requested_by": job.requested_by, "created_at": _iso(job.created_at),
-        "finished_at": _iso(job.finished_at) if job.finished_at else None,
+        "finished_at": _iso(job.finished_at) if job.finished_at else None, "evidence": None,
     }
 
 
@@ -315,7 +316,6 @@ class ReplayService:
             await session.flush()
             await record_access(session, principal, AccessAction.REPLAY, f"transcript:{record.transcript_id} "
                                 f"replay:{job.id}")
-        self._finished.setdefault(job.id, asyncio.Event())
         self._wake.set()
         log.info("replay queued", extra={"event": "replay_queued", "replay_id": job.id,
                                          "transcript_id": record.transcript_id, "tenant": principal.tenant})
@@ -474,7 +474,9 @@ class ReplayService:
         log.info("replay finished", extra={
             "event": "replay_done", "replay_id": claimed.job_id,
             "verdict": claimed.outcome.verdict.value if claimed.outcome else None, "error": claimed.error})
-        self._finished.setdefault(claimed.job_id, asyncio.Event()).set()
+        waiters = self._finished.pop(claimed.job_id, None)
+        if waiters is not None:
+            waiters.set()
 
     async def _commit(self, claimed: _Claimed, signed: SignedAttestation | None) -> None:
         """Job completion and its attestation's log leaf + checkpoint in ONE transaction, under the
