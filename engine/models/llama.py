@@ -138,7 +138,7 @@ class LlamaForCausalLM(nn.Module):
         kv: KVCache,
     ) -> torch.Tensor:  # [T, H]
         plan = self.attention.plan(meta, kv.block_size)
-        cos_sin = self.rope[positions].to(self.dtype)  # [T, 2, D]
+        cos_sin = self.rope.index_select(0, positions).to(self.dtype)  # [T, 2, D]
         cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
