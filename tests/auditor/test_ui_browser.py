@@ -1,37 +1,28 @@
 """The console end to end in headless Chromium (Debian's /usr/bin/chromium driven by Playwright):
 sign in, filter and open a transcript, replay it and see ``match``, export and download a report.
 
-When the server has no replay API mounted yet, a stand-in with the same routes is mounted for the
-test: it re-generates the transcript with the (deterministic) fake engine from the stored token ids
-and seed, and compares token by token — so ``match`` is earned, not hard-coded.
+The server is the real app (real DB, real replay service and signed attestations) over the replay
+tests' fake engine, whose ``replay`` re-predicts every recorded token: ``match`` is earned.
 """
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 import os
 import shutil
-import uuid
+import zipfile
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
-from litestar import Controller, get, post
-from litestar.di import Provide
 
-from auditor import repository
-from auditor.auth import Principal
-from auditor.errors import not_found
 from auditor.reports import verify_bundle
-from auditor.routes.deps import Services, provide_principal
-from auditor.ui.api import has_route
-from auditor.ui.controller import REPLAY_START
-from engine.sampling import SamplingParams
 from tests.auditor.conftest import LiveServer, sqlite_settings
-from tests.auditor.fake_engine import FakeAsyncEngine
-from tests.auditor.reports_server import extra_routes, start_reports_server
+from tests.auditor.reports_server import start_reports_server
+from tests.auditor.test_replay_fake import ReplayFakeEngine
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT_ENV = "VERBATIM_CONSOLE_SCREENSHOT"
@@ -42,60 +33,14 @@ pytestmark = [
 ]
 
 
-class StandInReplay(Controller):
-    """``POST /v1/transcripts/{id}/replay`` and ``GET /v1/replays/{id}`` over the fake engine."""
-
-    path = "/v1"
-    dependencies = {"principal": Provide(provide_principal)}
-    jobs: dict[str, dict[str, Any]] = {}
-
-    @post("/transcripts/{transcript_id:str}/replay", status_code=202)
-    async def start(self, transcript_id: str, services: Services, principal: Principal) -> dict[str, Any]:
-        async with services.sessionmaker() as session:
-            row = await repository.get_transcript(session, transcript_id)
-            content = await repository.get_content(session, transcript_id)
-        if row is None or row.tenant != principal.tenant or content is None:
-            raise not_found(f"transcript {transcript_id!r} not found")
-        job_id = str(uuid.uuid4())
-        self.jobs[job_id] = {"id": job_id, "transcript_id": transcript_id, "status": "running", "result": None}
-        asyncio.get_running_loop().create_task(self._run(job_id, services, row.seed, content))
-        return self.jobs[job_id]
-
-    async def _run(self, job_id: str, services: Services, seed: str | None, content: Any) -> None:
-        await asyncio.sleep(0.3)  # long enough for the page to show "running"
-        params = SamplingParams(max_tokens=len(content.output_token_ids), seed=int(seed or 0), deterministic=True,
-                                ignore_eos=True)
-        final = None
-        async for out in services.engine.generate(list(content.prompt_token_ids), params):
-            final = out
-        replayed = list(final.token_ids) if final else []
-        same = replayed == list(content.output_token_ids)
-        self.jobs[job_id].update(status="done", result={"result": "match" if same else "mismatch",
-                                                        "tokens": len(replayed)})
-
-    @get("/replays/{replay_id:str}")
-    async def status(self, replay_id: str, principal: Principal) -> dict[str, Any]:
-        if replay_id not in self.jobs:
-            raise not_found(f"replay {replay_id!r} not found")
-        return self.jobs[replay_id]
-
-
-def replay_routes_present(settings: Any) -> bool:
-    from auditor.app import create_app
-
-    return has_route(create_app(settings, engine=FakeAsyncEngine(), routes=extra_routes()), REPLAY_START)
-
-
 @pytest.fixture
 async def console(tmp_path: Path) -> AsyncIterator[LiveServer]:
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    extra = () if replay_routes_present(settings) else (StandInReplay,)
-    live = await start_reports_server(settings, FakeAsyncEngine(), {"auditor": "acme:auditor", "client": "acme:client"},
-                                      extra)
+    live = await start_reports_server(settings, ReplayFakeEngine(), {"auditor": "acme:auditor", "client": "acme:client"})
     async with live.client(live.keys["client"]) as client:
         for i, det in enumerate((True, True, True, False)):
             body = {"model": "fake-model", "prompt": f"the quick brown fox number {i}", "max_tokens": 24,
-                    "deterministic": det}
+                    "ignore_eos": True, "deterministic": det}
             response = await client.post("/v1/completions", json=body)
             assert response.status_code == 200, response.text
     try:
@@ -162,6 +107,12 @@ async def test_console_sign_in_replay_export_download(console: LiveServer, tmp_p
     result = verify_bundle(bundle)
     assert result.ok, result.render()
     assert sum(f.check == "output_commitment" and f.ok for f in result.findings) == 4  # content was asked for
+    files = unzip(bundle.read_bytes())
+    replays = [json.loads(x) for x in files["replays.jsonl"].splitlines()]
+    assert [r["verdict"] for r in replays] == ["match"] and replays[0]["attestation"] is not None
+    assert any(f.check == "replay_inclusion" and f.ok for f in result.findings)
+    actions = {row.split(",")[3] for row in files["access_log.csv"].decode().splitlines()[1:]}
+    assert {"list", "read", "replay", "export"} <= actions
 
 
 async def test_console_client_role_cannot_export(console: LiveServer) -> None:
@@ -181,3 +132,8 @@ async def test_console_client_role_cannot_export(console: LiveServer) -> None:
     async with httpx.AsyncClient(base_url=console.url) as anonymous:
         response = await anonymous.get("/ui/transcripts", follow_redirects=False)
     assert response.status_code == 303 and response.headers["location"] == "/ui/login"
+
+
+def unzip(data: bytes) -> dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return {n: zf.read(n) for n in zf.namelist()}
