@@ -51,13 +51,17 @@ def _pass(model, kv, kind: PassKind, rows: list[RowSpec], tokens: list[list[int]
 
 
 def _paged_logits(model, seq: list[int], n_prefill: int, n_decode: int, window: int) -> torch.Tensor:
-    """Logits for every position of `seq`: prefill, decode steps (co-batched), then one 2-row verify pass.
+    """Logits for every position of `seq`: a prefill in two chunks (the second continues from the cache,
+    beside another prompt), decode steps (co-batched), then one 2-row verify pass.
 
-    The sequence owns shuffled blocks; a second sequence rides along in the decode and verify passes.
+    The sequence owns shuffled blocks; a second sequence rides along in the later passes.
     """
     kv = model.allocate_kv_cache(num_blocks=16, block_size=BLOCK)
     table, other = [7, 2, 9, 4, 11], [5, 13]
-    out = [_pass(model, kv, PassKind.PREFILL, [RowSpec(table, 0, n_prefill)], [seq[:n_prefill]])]
+    cut = n_prefill // 2
+    out = [_pass(model, kv, PassKind.PREFILL, [RowSpec(table, 0, cut)], [seq[:cut]])]
+    rows = [RowSpec(other, 0, 5), RowSpec(table, cut, n_prefill - cut)]
+    out.append(_pass(model, kv, PassKind.PREFILL, rows, [[4, 5, 6, 7, 8], seq[cut:n_prefill]])[5:])
     for p in range(n_prefill, n_prefill + n_decode):
         rows = [RowSpec(other, p - n_prefill, 1), RowSpec(table, p, 1)]
         out.append(_pass(model, kv, PassKind.DECODE, rows, [[3], [seq[p]]])[1:])
