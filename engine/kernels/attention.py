@@ -106,40 +106,33 @@ def _attend_tile(
 ) -> torch.Tensor:
     tile, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    head_to_kv = torch.arange(num_heads, device=q.device) // (num_heads // num_kv_heads)  # [Hq]
-    qf = q.float().unsqueeze(2)  # [16, Hq, 1, D]
-    m = torch.full((tile, num_heads, 1), -math.inf, device=q.device)  # running max
-    l = torch.zeros((tile, num_heads, 1), device=q.device)  # running sum of exp
-    acc = torch.zeros((tile, num_heads, 1, head_dim), device=q.device)  # running weighted V
+    group = num_heads // num_kv_heads
+    # GQA without copying K/V per query head: query heads h = kv * group + g share kv head `kv`.
+    qf = q.float().view(tile, num_kv_heads, group, head_dim)  # [16, Hkv, G, D]
+    m = torch.full((tile, num_kv_heads, group, 1), -math.inf, device=q.device)  # running max
+    l = torch.zeros((tile, num_kv_heads, group, 1), device=q.device)  # running sum of exp
+    acc = torch.zeros((tile, num_kv_heads, group, head_dim), device=q.device)  # running weighted V
     num_chunks = int(positions.max()) // split_size + 1
     for c in range(num_chunks):
         key_pos = c * split_size + torch.arange(split_size, device=q.device)  # [S] absolute
         valid = key_pos[None, :] <= positions[:, None]  # [16, S]
         block_idx = (key_pos // block_size).clamp(max=tables.shape[1] - 1)
-        phys = tables[:, block_idx].long()  # [16, S]
-        slot = key_pos % block_size
-        k = _gather(k_cache, phys, slot, valid, head_to_kv)  # [16, Hq, S, D]
-        v = _gather(v_cache, phys, slot, valid, head_to_kv)
-        scores = (qf @ k.transpose(-1, -2)) * scale  # [16, Hq, 1, S]
-        scores = scores.masked_fill(~valid[:, None, None, :], -math.inf)
-        m_c = scores.amax(dim=-1)  # [16, Hq, 1]; -inf where the whole chunk is masked
-        p = torch.exp(scores - torch.where(m_c == -math.inf, 0.0, m_c).unsqueeze(-1))
+        # Masked keys read the reserved zero block 0, so stale slots never reach p @ v (0 * NaN).
+        phys = torch.where(valid, tables[:, block_idx].long(), 0)  # [16, S]
+        slot = (key_pos % block_size)[None, :]
+        k = k_cache[phys, slot].float().permute(0, 2, 3, 1)  # [16, Hkv, D, S]
+        v = v_cache[phys, slot].float().transpose(1, 2)  # [16, Hkv, S, D]
+        scores = (qf @ k) * scale  # [16, Hkv, G, S]
+        scores.masked_fill_(~valid[:, None, None, :], -math.inf)
+        m_c = scores.amax(dim=-1, keepdim=True)  # [16, Hkv, G, 1]; -inf where the chunk is all masked
+        p = torch.exp(scores - torch.where(m_c == -math.inf, 0.0, m_c))
         m_new = torch.maximum(m, m_c)  # finite: chunk 0 always holds key 0 <= position
         alpha = torch.exp(m - m_new)  # 1 exactly when this chunk does not raise the max
         beta = torch.exp(m_c - m_new)  # 0 exactly for a fully masked chunk
-        l = l * alpha + p.sum(dim=-1) * beta
-        acc = acc * alpha.unsqueeze(-1) + (p @ v) * beta.unsqueeze(-1)
+        l = l * alpha + p.sum(dim=-1, keepdim=True) * beta
+        acc = acc * alpha + (p @ v) * beta
         m = m_new
-    return (acc / l.unsqueeze(-1)).squeeze(2)  # [16, Hq, D] fp32
-
-
-def _gather(
-    cache: torch.Tensor, phys: torch.Tensor, slot: torch.Tensor, valid: torch.Tensor, head_to_kv: torch.Tensor
-) -> torch.Tensor:
-    """cache [blocks, bs, Hkv, D] at (phys [16, S], slot [S]) → fp32 [16, Hq, S, D], zero where masked."""
-    x = cache[phys, slot[None, :]].float()  # [16, S, Hkv, D]
-    x = x.masked_fill(~valid[:, :, None, None], 0.0)  # stale slots past a query never reach p @ v
-    return x[:, :, head_to_kv].transpose(1, 2).contiguous()
+    return (acc / l).reshape(tile, num_heads, head_dim)  # [16, Hq, D] fp32
 
 
 def bi_paged_attention(

@@ -161,7 +161,7 @@ def make_cache(
     d: int = 32, seed: int = 20,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(k_cache, v_cache [blocks, bs, Hkv, D], block_tables [R, max_blocks]) with shuffled physical
-    blocks, block 0 reserved (zeros); unused slots hold large garbage that must never leak in."""
+    blocks, block 0 reserved (zeros); unused slots hold NaN, which must never leak into a result."""
     need = [math.ceil(s / block_size) for s in seq_lens]
     max_blocks = max(need) + 1
     num_blocks = 1 + sum(need)
@@ -174,8 +174,8 @@ def make_cache(
         ids = [phys.pop() for _ in range(nb)]
         tables[r, :nb] = torch.tensor(ids, dtype=torch.int32)
         tail = s - (nb - 1) * block_size  # slots past the row's length in its last block
-        k[ids[-1], tail:] = 1e4
-        v[ids[-1], tail:] = 1e4
+        k[ids[-1], tail:] = math.nan
+        v[ids[-1], tail:] = math.nan
     k[0] = 0
     v[0] = 0
     return k.to(device=device, dtype=dtype), v.to(device=device, dtype=dtype), tables.to(device)
