@@ -68,8 +68,12 @@ def _replay_json(raw: dict[str, Any]) -> dict[str, Any]:
         verdict = result
     if verdict is None and isinstance(result, dict):
         verdict = result.get("result") or result.get("verdict")
+    summary = {k: raw[k] for k in ("status", "result", "details", "error", "log_index", "finished_at")
+               if raw.get(k) is not None}
+    if raw.get("attestation") is not None:
+        summary["attestation"] = "signed (replay key), appended to the log"
     return {"id": raw.get("id") or raw.get("replay_id"), "status": raw.get("status"), "verdict": verdict,
-            "error": raw.get("error"), "raw": raw}
+            "error": raw.get("error"), "summary": summary}
 
 
 class ConsoleController(Controller):
