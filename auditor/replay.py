@@ -509,7 +509,11 @@ class ReplayService:
         principal = Principal(requested_by, row.tenant, Role.ADMIN)
         job = await self.submit(principal, transcript_id)
         await self.run_batch(await self._claim([job["id"]]))
-        return await self.get(principal, job["id"], record=False)
+        job = await self.get(principal, job["id"], record=False)
+        while job["status"] not in _FINAL:  # a server sharing the database claimed it first
+            await asyncio.sleep(POLL_SECONDS)
+            job = await self.get(principal, job["id"], record=False)
+        return job
 
 
 async def _active_jobs(session: AsyncSession, tenant: str) -> int:

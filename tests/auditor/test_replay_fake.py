@@ -365,3 +365,25 @@ async def test_cli_replays_over_http_and_prints_the_verdict(server: LiveServer) 
         sys.executable, "-m", "auditor", "replay", tid, "--url", server.url, "--api-key", server.keys["other"]],
         capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert refused.returncode == 2 and "HTTP 404" in refused.stderr, refused.stdout + refused.stderr
+
+
+async def test_in_process_replay_as_the_cli_runs_it(server: LiveServer) -> None:
+    from auditor.app import attach_engine, build_services
+    from auditor.replay import ReplayService
+    from auditor.replay_cli import render
+
+    async with server.client(server.keys["client"]) as client:
+        tid = await complete(client)
+    await asyncio.to_thread(server.stop)
+    services = build_services(server.settings)
+    attach_engine(services, ReplayFakeEngine())
+    try:
+        job = await ReplayService(services).run_now(tid)
+    finally:
+        await services.db.dispose()
+    assert job["status"] == "done" and job["result"] == "match" and job["requested_by"] == "cli"
+    text = render(job)
+    assert text.startswith(f"replay {job['id']} of transcript {tid}: MATCH")
+    assert f"appended to the log at index {job['log_index']}" in text
+    with sqlite3.connect(db_path(server)) as db:
+        assert db.execute("SELECT key_id, tenant FROM access_log WHERE action = 'replay'").fetchall() == [("cli", "acme")]
