@@ -14,6 +14,7 @@ from engine.kernels.ops import (
     bi_rms_norm,
     bi_silu_mul,
 )
+from engine.kernels.selfcheck import check_linear_shapes
 
 __all__ = [
     "DEFAULT_SPLIT_SIZE",
@@ -26,5 +27,6 @@ __all__ = [
     "bi_paged_attention",
     "bi_rms_norm",
     "bi_silu_mul",
+    "check_linear_shapes",
     "query_layout",
 ]

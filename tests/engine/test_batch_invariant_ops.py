@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import BatchInvariantOps, bi_paged_attention, query_layout
+from engine.kernels import TORCH_OPS, BatchInvariantOps, bi_paged_attention, check_linear_shapes, query_layout
 
 SIZES = (1, 2, 3, 7, 16, 31, 64, 100, 256, 512)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -146,6 +146,17 @@ def test_plain_silu_depends_on_row_position_on_cpu() -> None:
     perm = torch.randperm(16, generator=torch.Generator().manual_seed(3))
     if torch.equal(F.silu(x[perm]), F.silu(x)[perm]):
         pytest.xfail("F.silu happens to be position invariant on this CPU")
+
+
+def test_selfcheck_passes_for_tiles_and_names_the_failing_shape_for_torch() -> None:
+    smollm2 = [(576, 576), (192, 576), (1536, 576), (576, 1536)]  # (N, K): q/o, k/v, gate/up, down
+    check_linear_shapes(OPS, smollm2, torch.float32, "cpu")
+    try:
+        check_linear_shapes(TORCH_OPS, smollm2, torch.float32, "cpu")
+    except RuntimeError as err:
+        assert "torch linear is not batch invariant for weight [192, 576]" in str(err), str(err)
+    else:
+        pytest.xfail("plain torch fp32 GEMM happens to be batch invariant on this CPU")
 
 
 def test_unknown_backend_is_refused() -> None:
