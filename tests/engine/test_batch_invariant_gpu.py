@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import BatchInvariantOps, bi_paged_attention
+from engine.kernels import BatchInvariantOps, bi_paged_attention, check_linear_shapes
 from tests.engine.test_batch_invariant_ops import (
     DTYPES,
     SIZES,
@@ -66,6 +66,11 @@ def test_triton_linear_llama8b_shapes_bf16(k: int, n: int) -> None:
     w = _rand(n, k, dtype=torch.bfloat16, device="cuda", seed=1) / math.sqrt(k)
     out = assert_row_invariant(lambda t: TRITON.linear(t, w), x)
     assert_close_rel(out, x.float() @ w.float().T, TOL[torch.bfloat16])
+
+
+def test_selfcheck_llama8b_shapes() -> None:
+    shapes = [(6144, HIDDEN), (HIDDEN, HIDDEN), (2 * MLP, HIDDEN), (HIDDEN, MLP), (VOCAB, HIDDEN)]  # (N, K)
+    check_linear_shapes(TRITON, shapes, torch.bfloat16, "cuda")
 
 
 def test_triton_log_softmax_llama8b_vocab() -> None:
