@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import datetime as dt
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,33 +70,49 @@ class Ledger:
 
     # --- appending ------------------------------------------------------------------------------
 
-    async def append(self, draft: TranscriptDraft) -> Appended:
+    @contextlib.asynccontextmanager
+    async def transaction(self) -> AsyncIterator[AsyncSession]:
+        """A session in ONE transaction under the append lock (in-process asyncio lock plus, on
+        PostgreSQL, an advisory lock): use ``append_leaf`` inside it. A failure rolls everything back
+        and drops the in-memory tree (it is rebuilt from the committed leaves)."""
         async with self._lock:
             try:
                 async with self._sessionmaker() as session, session.begin():
-                    return await self._append(session, draft)
+                    await repository.lock_log(session)
+                    yield session
             except BaseException:
                 self._tree = None
                 raise
 
-    async def _append(self, session: AsyncSession, draft: TranscriptDraft) -> Appended:
-        await repository.lock_log(session)
-        head = await repository.chain_head(session, draft.inputs["tenant"])
-        inputs = TranscriptInputs(**draft.inputs, sequence=head.sequence, previous_digest=head.previous_digest)
-        signed = sign_transcript(inputs, self._keyring)
+    async def append_leaf(self, session: AsyncSession, entry: bytes, kind: LeafKind, *,
+                          transcript_id: str | None = None, replay_job_id: str | None = None) -> int:
+        """Append ``entry`` (a 32-byte envelope digest) and a signed checkpoint for the new size, in the
+        caller's ``transaction()``; returns the leaf index."""
         tree = await self._synced_tree(session)
         index = tree.size
-        await repository.add_transcript(session, _transcript_row(inputs, signed, draft, index),
-                                        _content_row(inputs, draft))
-        leaf_hash = merkle.leaf_hash(signed.leaf_data)
+        leaf_hash = merkle.leaf_hash(entry)
         await repository.add_leaf(session, LogLeaf(
-            index=index, leaf_hash=leaf_hash, entry=signed.leaf_data, kind=LeafKind.TRANSCRIPT.value,
-            transcript_id=inputs.transcript_id, replay_job_id=None, created_at=_now()))
+            index=index, leaf_hash=leaf_hash, entry=entry, kind=kind.value, transcript_id=transcript_id,
+            replay_job_id=replay_job_id, created_at=_now()))
         tree.append_leaf_hash(leaf_hash)
         checkpoint = self._sign(tree.size, tree.root())
         await repository.add_checkpoint(session, LogCheckpoint(
             tree_size=checkpoint.tree_size, root_hash=checkpoint.root_hash, note=checkpoint.note, created_at=_now()))
-        return Appended(inputs.transcript_id, head.sequence, index, tree.size, signed.envelope)
+        return index
+
+    async def append(self, draft: TranscriptDraft) -> Appended:
+        """Chain head → sign → transcript + content rows → log leaf → checkpoint, in one transaction."""
+        async with self.transaction() as session:
+            head = await repository.chain_head(session, draft.inputs["tenant"])
+            inputs = TranscriptInputs(**draft.inputs, sequence=head.sequence, previous_digest=head.previous_digest)
+            signed = sign_transcript(inputs, self._keyring)
+            index = (await self._synced_tree(session)).size
+            await repository.add_transcript(session, _transcript_row(inputs, signed, draft, index),
+                                            _content_row(inputs, draft))
+            appended = await self.append_leaf(session, signed.leaf_data, LeafKind.TRANSCRIPT,
+                                              transcript_id=inputs.transcript_id)
+            assert appended == index, (appended, index)
+            return Appended(inputs.transcript_id, head.sequence, index, index + 1, signed.envelope)
 
     async def _synced_tree(self, session: AsyncSession) -> merkle.MerkleTree:
         """The in-memory tree, extended with leaves other processes may have appended."""
