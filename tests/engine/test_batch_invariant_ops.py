@@ -124,6 +124,14 @@ def test_linear_row_position_over_model_shapes(dtype: torch.dtype) -> None:
         assert torch.equal(OPS.linear(x[:1], w), full[:1]), f"[{k} -> {n}] batch 1 differs"
 
 
+def test_linear_every_batch_size_1_to_512() -> None:
+    x = _rand(512, 64, dtype=torch.float32, device="cpu", seed=13)
+    w = _rand(48, 64, dtype=torch.float32, device="cpu", seed=14)
+    full = OPS.linear(x, w)
+    differing = [m for m in range(1, 513) if not torch.equal(OPS.linear(x[:m], w), full[:m])]
+    assert not differing, f"batch sizes {differing[:10]} differ from batch 512"
+
+
 def test_linear_keeps_leading_dims() -> None:
     x = _rand(3, 5, 64, dtype=torch.float32, device="cpu", seed=8)
     w = _rand(48, 64, dtype=torch.float32, device="cpu", seed=9)
