@@ -168,7 +168,13 @@ def engine_shape(engine: Any) -> tuple[int, int]:
     config = getattr(engine, "config", None)
     if config is not None:
         return int(config.group), int(config.window)
-    return int(engine.group), int(engine.window)
+    if hasattr(engine, "group") and hasattr(engine, "window"):
+        return int(engine.group), int(engine.window)
+    fingerprint = engine.runtime_fingerprint()
+    for g, w in (("G", "W"), ("group", "window")):
+        if g in fingerprint and w in fingerprint:
+            return int(fingerprint[g]), int(fingerprint[w])
+    raise RuntimeError(f"cannot tell the engine's verify shape (G, W) from {sorted(fingerprint)}")
 
 
 def environment_differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
@@ -413,12 +419,19 @@ class ReplayService:
         if not job_ids:
             return 0
         engine = self.services.engine
-        claimed = [await self._prepare(job_id, engine) for job_id in job_ids]
+        claimed = [await self._prepare_or_fail(job_id, engine) for job_id in job_ids]
         runnable = [c for c in claimed if c.record is not None and c.outcome is None and c.error is None]
         await self._execute(engine, runnable)
         for c in claimed:
             await self._finish(c, engine)
         return len(claimed)
+
+    async def _prepare_or_fail(self, job_id: str, engine: Any) -> _Claimed:
+        try:
+            return await self._prepare(job_id, engine)
+        except Exception as exc:  # noqa: BLE001 - the job fails with the reason; the batch goes on
+            log.exception("preparing replay %s failed", job_id)
+            return _Claimed(job_id, error=f"{type(exc).__name__}: {exc}")
 
     async def _prepare(self, job_id: str, engine: Any) -> _Claimed:
         claimed = _Claimed(job_id)
