@@ -4,8 +4,6 @@ already mounts them by default)."""
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 from typing import Any
 
 import uvicorn
@@ -25,29 +23,22 @@ def extra_routes() -> list[Any]:
 
 
 class ReportsLiveServer(LiveServer):
-    extra: tuple[Any, ...] = ()
-
-    def start(self) -> ReportsLiveServer:
-        self.app = create_app(self.settings, engine=self.engine, routes=[*extra_routes(), *self.extra])
+    def _make_server(self) -> uvicorn.Server:
+        self.app = create_app(self.settings, engine=self.engine, routes=extra_routes())
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 60
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"server on port {self.settings.port} did not start")
-            time.sleep(0.02)
-        return self
+        return self._server
 
 
-async def start_reports_server(settings: Settings, engine: Any, tenants: dict[str, str],
-                               extra: tuple[Any, ...] = ()) -> ReportsLiveServer:
-    server = ReportsLiveServer(settings, engine)
-    server.extra = extra
+async def add_keys(server: LiveServer, tenants: dict[str, str]) -> None:
     for name, spec in tenants.items():
         tenant, role = spec.split(":")
-        server.keys[name] = await make_key(settings, tenant, role)
+        server.keys[name] = await make_key(server.settings, tenant, role)
+
+
+async def start_reports_server(settings: Settings, engine: Any, tenants: dict[str, str]) -> ReportsLiveServer:
+    server = ReportsLiveServer(settings, engine)
+    await add_keys(server, tenants)
     await asyncio.to_thread(server.start)
     return server
