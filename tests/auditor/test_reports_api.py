@@ -153,6 +153,10 @@ async def test_cli_export_verify_and_purge(server: LiveServer, tmp_path: Path) -
     assert "transcripts" in done.stderr and "100%" in done.stderr  # the progress bar
     checked = await asyncio.to_thread(run, "verify-bundle", str(out))
     assert checked.returncode == 0 and "VALID bundle" in checked.stdout, checked.stdout
+    async with httpx.AsyncClient(base_url=server.url) as anonymous:
+        (tmp_path / "jwks.json").write_text((await anonymous.get("/.well-known/jwks.json")).text)
+    pinned = await asyncio.to_thread(run, "verify-bundle", str(out), "--jwks", str(tmp_path / "jwks.json"), "--json")
+    assert pinned.returncode == 0 and json.loads(pinned.stdout)["ok"] is True, pinned.stdout
 
     tampered = tmp_path / "tampered.zip"
     files = unzip(out.read_bytes())
