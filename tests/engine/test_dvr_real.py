@@ -1,0 +1,176 @@
+"""DVR on the real default model (SmolLM2-135M-Instruct, float32, CPU): bitwise determinism under load,
+fault injection, window boundaries, preemption, replay. Small W/G keep the suite fast; one test runs
+the defaults W=32, G=8."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.sampling import SamplingParams
+from engine.scheduler import seq_key
+from engine.sequence import SeqKind
+from tests.engine.dvr_cases import (assert_same, assert_windows_cover, one_at_a_time, record_verify_kinds,
+                                    replay_requests, staggered)
+
+TEXTS = [
+    "The capital of France is", "Write a haiku about the sea.", "List three prime numbers:",
+    "Once upon a time, in a small village near the mountains, there lived", "2 + 2 =",
+    "Translate to German: good morning", "The quick brown fox", "Explain photosynthesis in one sentence.",
+    "def fibonacci(n):", "My favourite colour is", "Q: What is the boiling point of water? A:",
+    "In 1969, the first humans", "Roses are red,", "The three laws of robotics are",
+    "A recipe for pancakes needs", "import numpy as np\n",
+]
+SMALL = dict(window=8, group=4)
+
+
+@pytest.fixture(scope="module")
+def workload(smollm2_source):
+    tok = smollm2_source.tokenizer
+    prompts = [list(tok.encode(t)) for t in TEXTS]
+    params = []
+    for i in range(len(prompts)):
+        sampled = i % 2 == 1
+        params.append(SamplingParams(max_tokens=6 + (i * 5) % 11, temperature=0.9 if sampled else 0.0,
+                                     top_p=0.9 if i % 4 == 1 else 1.0, top_k=40 if i % 4 == 3 else 0,
+                                     seed=1000 + i, deterministic=True, ignore_eos=i % 3 != 0))
+    return prompts, params
+
+
+@pytest.fixture(scope="module")
+def reference(make_real_llm, workload):
+    """All 16 at once, fault-free (b)."""
+    prompts, params = workload
+    return make_real_llm(**SMALL).generate(prompts, params)
+
+
+def test_determinism_alone_vs_batched(make_real_llm, workload, reference) -> None:
+    prompts, params = workload
+    alone = one_at_a_time(make_real_llm(**SMALL), prompts, params)  # (a)
+    assert_same(alone, reference)
+    for o in reference:
+        assert_windows_cover(o, 8)
+
+
+@pytest.mark.parametrize("max_seqs", [4, 12])
+def test_determinism_staggered_among_nondeterministic(make_real_llm, workload, reference, max_seqs) -> None:
+    prompts, params = workload
+    llm = make_real_llm(max_num_seqs=max_seqs, **SMALL)
+    kinds = record_verify_kinds(llm)
+    out = staggered(llm, prompts, params, every=3, seed=max_seqs)  # (c)
+    assert_same(out, reference)
+    assert set(kinds) == {SeqKind.DVR}  # the non-deterministic companions never entered a verify pass
+
+
+@pytest.mark.parametrize("rate", [0.05, 0.3, 1.0])
+def test_fault_injection_bitwise_equal(make_real_llm, workload, reference, rate) -> None:
+    """A subset suffices: each request's output is its own pure function, so it must equal its entry in
+    the 16-request reference whatever else runs."""
+    n = 16 if rate < 1.0 else 6
+    prompts, params = workload
+    out = make_real_llm(fault_rate=rate, fault_seed=11, **SMALL).generate(prompts[:n], params[:n])
+    assert_same(out, reference[:n])
+    assert sum(o.rollbacks for o in out) > 0
+    for o in out:
+        assert_windows_cover(o, 8)
+        if rate == 1.0:
+            assert all(e - s == 1 for s, e in o.windows) and o.verify_passes == len(o.token_ids) - 1
+
+
+def test_window_starts_from_fault_seeds(make_real_llm, workload, reference) -> None:
+    prompts, params = workload
+    prompts, params = prompts[:8], params[:8]
+    a = make_real_llm(fault_rate=0.3, fault_seed=1, **SMALL).generate(prompts, params)
+    b = make_real_llm(fault_rate=0.3, fault_seed=2, **SMALL).generate(prompts, params)
+    assert [o.windows for o in a] != [o.windows for o in b]
+    assert_same(a, reference[:8])
+    assert_same(b, reference[:8])
+
+
+def _kv_snapshot(llm, seq) -> list[torch.Tensor]:
+    """K and V of every layer at the sequence's positions 0..kv_len-1 (gathered through its block table)."""
+    bs = llm.config.block_size
+    table = llm.core.scheduler.blocks.table(seq_key(seq))
+    pos = torch.arange(seq.kv_len)
+    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
+    kv = llm.core.runner.kv
+    return [c.view(-1, *c.shape[2:]).index_select(0, slots).clone() for c in kv.k + kv.v]
+
+
+def _replay_with_kv(llm, req):
+    captured = {}
+    remove = llm.core.scheduler.remove
+
+    def snap(seq):
+        if seq.kind == SeqKind.REPLAY:
+            captured[seq.request_id] = _kv_snapshot(llm, seq)
+        remove(seq)
+
+    llm.core.scheduler.remove = snap
+    return llm.replay([req])[0], captured[req.replay_id]
+
+
+def test_window_boundary_invariance_kv_and_logprobs(make_real_llm, workload, reference) -> None:
+    """The same committed tokens verified with windows starting at different offsets: bitwise equal KV
+    and logprobs (DESIGN §2 window-boundary invariance)."""
+    prompts, params = workload
+    i = max(range(len(reference)), key=lambda k: len(reference[k].token_ids))
+    req = replay_requests(prompts, params, reference)[i]
+    n = len(req.token_ids)
+    assert n >= 10
+    cuts_a = [(1, 4), (4, 9), (9, n)] if n - 9 <= 8 else None
+    layouts = [[(s, min(s + 3, n)) for s in range(1, n, 3)], [(1, 2)] + [(s, min(s + 5, n)) for s in range(2, n, 5)]]
+    if cuts_a:
+        layouts.append(cuts_a)
+    runs = [_replay_with_kv(make_real_llm(**SMALL), replace(req, windows=w)) for w in layouts]
+    for res, kv in runs:
+        assert res.token_ids == reference[i].token_ids
+        assert res.token_logprobs == runs[0][0].token_logprobs
+        assert all(torch.equal(x, y) for x, y in zip(kv, runs[0][1]))
+
+
+def test_preemption_bitwise_equal(make_real_llm, workload, reference) -> None:
+    prompts, params = workload
+    llm = make_real_llm(num_kv_blocks=2 + 12, max_num_seqs=16, fault_rate=0.1, **SMALL)
+    out = llm.generate(prompts, params)
+    assert llm.core.scheduler.preemptions > 0
+    assert_same(out, reference)
+    assert llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
+
+
+def test_replay_of_outputs_made_under_load(make_real_llm, workload, reference) -> None:
+    prompts, params = workload
+    made = staggered(make_real_llm(fault_rate=0.3, fault_seed=3, max_num_seqs=6, **SMALL), prompts, params,
+                     seed=7)
+    assert_same(made, reference)
+    reqs = replay_requests(prompts, params, made)
+    altered_at = 5
+    tokens = list(reqs[0].token_ids)
+    tokens[altered_at] = (tokens[altered_at] + 1) % 49152
+    reqs.append(replace(reqs[0], replay_id="altered", token_ids=tokens))
+    llm = make_real_llm(**SMALL)
+    results = llm.replay(reqs)
+    for o, r in zip(made, results[:-1]):
+        assert r.first_mismatch is None
+        assert r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
+    assert results[-1].first_mismatch == altered_at
+    assert results[-1].token_ids[:altered_at] == made[0].token_ids[:altered_at]
+    assert llm.core.stats().verify_passes < sum(len(r.windows) for r in reqs)  # replays shared passes
+
+
+def test_default_window_and_group(make_real_llm, workload) -> None:
+    """W=32, G=8 (the defaults): batched with faults equals a fault-free run under a different batch
+    limit, windows hold up to 32 tokens, and replays match."""
+    prompts, params = workload
+    params = [replace(p, max_tokens=34 + i * 3, ignore_eos=True) for i, p in enumerate(params[:4])]
+    prompts = prompts[:4]
+    a = make_real_llm(fault_rate=0.1, fault_seed=4).generate(prompts, params)
+    b = make_real_llm(max_num_seqs=3).generate(prompts[::-1], params[::-1])[::-1]
+    assert_same(a, b)
+    assert any(e - s == 32 for o in b for s, e in o.windows)
+    assert all(o.window_shape == (8, 32) for o in a)
+    for o in a:
+        assert_windows_cover(o, 32)
+    res = make_real_llm().replay(replay_requests(prompts, params, a))
+    assert all(r.first_mismatch is None and r.token_logprobs == o.token_logprobs for r, o in zip(res, a))
