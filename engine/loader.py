@@ -164,7 +164,10 @@ def _load_folder(folder: Path, name: str, dtype: torch.dtype, digest: str | None
         raise ValueError(f"model: cannot read {str(folder / 'config.json')!r}: {exc}") from exc
     architecture_of(config)
     files = weight_files(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ValueError(f"model: cannot load a tokenizer from {str(folder)!r}: {exc}") from exc
     info = ModelInfo(
         name=name,
         weights_digest=digest or weights_digest(iter_weights(files)),

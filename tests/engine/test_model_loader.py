@@ -140,6 +140,15 @@ def test_folder_without_config_or_weights_is_refused(tiny_llama_dir: Path, tmp_p
         load_model_source(folder)
 
 
+def test_folder_without_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
+    folder = tmp_path / "no-tokenizer"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny_llama_dir / name, folder / name)
+    with pytest.raises(ValueError, match="^model: cannot load a tokenizer"):
+        load_model_source(folder)
+
+
 @pytest.mark.slow
 def test_gguf_is_dequantized_once_then_loaded_from_cache(tmp_path: Path, smollm2_source) -> None:
     """First start dequantizes into the cache; the second reads the cached folder (a few seconds)."""
