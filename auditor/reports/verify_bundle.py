@@ -122,12 +122,11 @@ def verify_bundle(source: bytes | str | Path, jwks: Mapping[str, Any] | None = N
     if manifest is None:
         return result
     ctx = _Ctx(files, keys, manifest)
-    _file_hashes(ctx, result)
-    _checkpoints(ctx, result)
-    _transcripts(ctx, result)
-    _replays(ctx, result)
-    _summary(ctx, result)
-    _access_log(ctx, result)
+    for stage in (_file_hashes, _checkpoints, _transcripts, _replays, _summary, _access_log):
+        try:
+            stage(ctx, result)
+        except Exception as exc:  # noqa: BLE001 - a malformed bundle is a finding, never a crash
+            result.fail(stage.__name__.strip("_"), f"could not be checked: {type(exc).__name__}: {exc}")
     return result
 
 
@@ -238,11 +237,14 @@ def _transcripts(ctx: _Ctx, result: BundleVerification) -> None:
     seen: list[str] = []
     for n, obj in _jsonl(ctx.files.get(b.TRANSCRIPTS_PATH)):
         if not isinstance(obj, dict) or not isinstance(obj.get("envelope"), dict):
-            result.fail("transcript", f"not a transcript object: {obj}", b.TRANSCRIPTS_PATH, n)
+            result.fail("transcript", f"not a transcript object: {str(obj)[:200]}", b.TRANSCRIPTS_PATH, n)
             continue
         tid = str(obj.get("transcript_id"))
         seen.append(tid)
-        _one_transcript(ctx, obj, n, tid, result)
+        try:
+            _one_transcript(ctx, obj, n, tid, result)
+        except Exception as exc:  # noqa: BLE001 - one bad line must not hide the others
+            result.fail("transcript", f"malformed line: {type(exc).__name__}: {exc}", b.TRANSCRIPTS_PATH, n, tid)
     _manifest_index(ctx, seen, result)
     _hash_chain(ctx, result)
 
@@ -364,13 +366,16 @@ def _manifest_index(ctx: _Ctx, seen: Sequence[str], result: BundleVerification) 
 def _replays(ctx: _Ctx, result: BundleVerification) -> None:
     for n, obj in _jsonl(ctx.files.get(b.REPLAYS_PATH)):
         if not isinstance(obj, dict) or "transcript_id" not in obj or "replay_id" not in obj:
-            result.fail("replay", f"not a replay object: {obj}", b.REPLAYS_PATH, n)
+            result.fail("replay", f"not a replay object: {str(obj)[:200]}", b.REPLAYS_PATH, n)
             continue
         ctx.replays.append(obj)
         tid = str(obj["transcript_id"])
         where = {"file": b.REPLAYS_PATH, "line": n, "transcript_id": tid}
         if tid not in ctx.payload_digests:
             result.fail("replay", f"replay {obj['replay_id']} is of a transcript not in the bundle", **where)
+            continue
+        if not isinstance(obj.get("attestation"), (dict, type(None))):
+            result.fail("replay", f"replay {obj['replay_id']}: attestation is not an object", **where)
             continue
         if obj.get("attestation") is None:
             ok = obj.get("verdict") is None
@@ -390,8 +395,12 @@ def _attestation(ctx: _Ctx, obj: dict[str, Any], where: Mapping[str, Any], resul
         return
     result.add("replay", True, f"replay {obj['replay_id']}: signed attestation, {obj.get('verdict')}", **where)
     if obj.get("inclusion_proof") is not None:
-        _inclusion(ctx, "replay_inclusion", cn.envelope_digest(obj["attestation"]), obj.get("log_index"),
-                   obj["inclusion_proof"], where, result)
+        try:
+            digest = cn.envelope_digest(obj["attestation"])
+        except Exception as exc:  # noqa: BLE001
+            result.fail("replay_inclusion", f"attestation cannot be hashed: {exc}", **where)
+            return
+        _inclusion(ctx, "replay_inclusion", digest, obj.get("log_index"), obj["inclusion_proof"], where, result)
 
 
 def _summary(ctx: _Ctx, result: BundleVerification) -> None:
@@ -413,7 +422,7 @@ def _summary(ctx: _Ctx, result: BundleVerification) -> None:
         statement, digest, log_index, sig_ok = known
         det = bool(statement["predicate"].get("sampling", {}).get("deterministic"))
         want = summary_row(statement, log_index, sig_ok, replay_status(det, by_tid.get(tid, [])), digest)
-        diff = [f"{k}={row.get(k)!r} (signed data gives {want[k]!r})" for k in SUMMARY_COLUMNS if row.get(k) != want[k]]
+        diff = [f"{k}={row.get(k)!r} (recomputed from the transcript: {want[k]!r})" for k in SUMMARY_COLUMNS if row.get(k) != want[k]]
         result.add("summary", not diff, "; ".join(diff) or "row matches the signed transcript", b.SUMMARY_PATH, n, tid)
     for tid in sorted(set(ctx.statements) - seen):
         result.fail("summary", "transcript has no row in summary.csv", b.SUMMARY_PATH, transcript_id=tid)
