@@ -394,3 +394,27 @@ async def test_engine_failure_records_committed_tokens_with_status_error(tmp_pat
     assert json.loads(events[-2])["error"]["code"] == "engine_error" and events[-1] == "[DONE]"
     assert len(listed) == 2 and streamed_id in {t["id"] for t in listed}
     assert all(t["completion_tokens"] == 5 for t in listed)
+
+
+JUNK_BODIES = [b"\xff\xfe", b"null", b"123", b'"s"', b"{" * 5000, b'{"model": 5}', b'{"model": "fake-model", "prompt": []}',
+               b'{"model": "fake-model", "prompt": "x", "max_tokens": 1e400}',
+               b'{"model": "fake-model", "prompt": "x", "max_tokens": 99999999999999999999999}',
+               b'{"model": "fake-model", "prompt": "x", "top_p": NaN}', b'{"model": "fake-model", "prompt": "x", "stop": [""]}',
+               b'{"model": "fake-model", "prompt": "x", "stream_options": {"include_usage": 1}}',
+               b'{"model": "fake-model", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}',
+               b'{"role": "admin", "name": 7}', b'{"role": "admin", "tenant": "other"}']
+
+
+async def test_junk_never_gives_a_500(tmp_path: Path) -> None:
+    settings = await asyncio.to_thread(sqlite_settings, tmp_path, rate_limit_burst=1000)
+    server = await start_server(settings, FakeAsyncEngine(), {"admin": "acme:admin"})
+    try:
+        async with server.client(server.keys["admin"]) as client:
+            for path in ("/v1/completions", "/v1/chat/completions", "/v1/admin/keys"):
+                for body in JUNK_BODIES:
+                    for content_type in ("application/json", "text/plain"):
+                        response = await client.post(path, content=body, headers={"Content-Type": content_type})
+                        assert 400 <= response.status_code < 500, (path, body[:40], response.text)
+                        assert response.json()["error"]["message"]
+    finally:
+        await asyncio.to_thread(server.stop)
