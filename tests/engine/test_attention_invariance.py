@@ -137,8 +137,8 @@ def test_fully_masked_trailing_tiles_change_nothing() -> None:
 
 
 # ---------------------------------------------------------------- end to end
-def _tiny_llama(dtype: torch.dtype):
-    config = LlamaConfig(vocab_size=200, hidden_size=96, intermediate_size=160, num_hidden_layers=3,
+def _tiny_llama(dtype: torch.dtype, hidden: int = 96, intermediate: int = 160, vocab: int = 200):
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=3,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
@@ -224,3 +224,21 @@ def test_smollm2_verify_windows_at_any_offset_give_identical_kv_and_logits(smoll
                                      tokenize=True, add_generation_prompt=True, return_dict=False)
     outputs = tok.encode(" Red, green and blue are three colours that people often name first." * 6)[: 3 * 16]
     _check_model(smollm2_model, list(prompt), outputs, groups=2, window=16)
+
+
+@pytest.fixture
+def intra_op_threads(request: pytest.FixtureRequest):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("intra_op_threads", [1, 3], indirect=True)
+def test_invariance_holds_at_other_thread_counts(intra_op_threads: int) -> None:
+    """Each run at one thread count; pass tensors large enough (G*W*intermediate > 32768 elements)
+    that elementwise kernels split across threads, so chunk tails land inside windows."""
+    model = _tiny_llama(torch.float32, hidden=120, intermediate=544, vocab=400)
+    rng = random.Random(9)
+    prompt = [rng.randrange(400) for _ in range(41)]
+    _check_model(model, prompt, [rng.randrange(400) for _ in range(3 * 16)], groups=8, window=16)
