@@ -4,7 +4,7 @@ from engine.replay import ReplayRequest, ReplayResult
 from engine.sampling import SAMPLER_ID, SamplingParams
 from engine.sequence import RequestOutput
 
-__version__ = "0.1.0"
+from engine.fingerprint import ENGINE_VERSION as __version__  # noqa: E402
 
 
 def __getattr__(name: str) -> object:

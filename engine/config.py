@@ -45,6 +45,8 @@ class EngineConfig:
     cache_dir: str | None = None        # where the loader caches dequantized weights
 
     def __post_init__(self) -> None:
+        modes = [m.value for m in Mode]
+        _check(self.mode in modes, "mode", f"one of {modes}, got {self.mode!r}")
         object.__setattr__(self, "mode", Mode(self.mode))
         _check(self.device in ("auto", "cpu", "cuda"), "device", f"one of auto/cpu/cuda, got {self.device!r}")
         _check(self.dtype in _DTYPES, "dtype", f"one of {sorted(_DTYPES)}, got {self.dtype!r}")

@@ -1,0 +1,258 @@
+"""AsyncEngine: the service's engine (docs/INTERFACES.md). One background thread owns the EngineCore
+and steps it; the event loop talks to it only through a command inbox and per-request asyncio queues.
+
+    event loop                         engine thread
+    generate() --("add", seq)------>   inbox -> core.add_request
+    abort()    --("abort", id, fut)->  core.abort -> fut
+    replay()   --("replay", reqs)-->   core.add_replay ... all finished -> fut
+    queue.get() <--call_soon_threadsafe-- committed outputs after each step
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.core import EngineCore, EngineStats
+from engine.fingerprint import runtime_fingerprint, system_fingerprint
+from engine.model_runner import LoadedModel, load_model
+from engine.replay import ReplayRequest, ReplayResult, check_replay, replay_result
+from engine.sampling import SamplingParams
+from engine.sequence import RequestOutput, Sequence, SeqKind
+
+_LAST_OUTPUTS_KEPT = 4096
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+    published: int = -1
+
+
+@dataclass
+class _ReplayJob:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[list[ReplayResult]]
+    requests: list[ReplayRequest]
+    seqs: list[Sequence] = field(default_factory=list)
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
+        """Loads the model (blocking: call it off the event loop)."""
+        self.config = config or EngineConfig()
+        if self.config.num_threads is not None:
+            torch.set_num_threads(self.config.num_threads)
+        # OpenMP thread counts are per thread: the stepping thread must use the same count as here,
+        # or its GEMMs block differently and the bits change (and the fingerprint would lie).
+        self._threads = torch.get_num_threads()
+        loaded = loaded or load_model(self.config)
+        self.tokenizer = loaded.tokenizer
+        self.model_info = loaded.info
+        detok = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
+        eos = set(getattr(loaded.info, "eos_token_ids", ()) or ())
+        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenize=detok)
+        self._fingerprint = runtime_fingerprint(self.config)
+        self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._replays: list[_ReplayJob] = []
+        self._last: OrderedDict[str, RequestOutput] = OrderedDict()
+        self._ids = itertools.count()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="verbatim-engine", daemon=True)
+            self._thread.start()
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    # ---- identity ----------------------------------------------------------------------------
+    def runtime_fingerprint(self) -> dict[str, str | int]:
+        return dict(self._fingerprint)
+
+    def system_fingerprint(self) -> str:
+        return system_fingerprint(self._fingerprint)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.core.validate(prompt_token_ids, params)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    def last_output(self, request_id: str) -> RequestOutput | None:
+        return self._last.get(request_id)
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield a cumulative RequestOutput each time tokens are committed; the last has finished=True."""
+        self.validate(prompt_token_ids, params)
+        rid = request_id or f"req-{uuid.uuid4().hex}"
+        if rid in self._streams:
+            raise ValueError(f"request_id: {rid!r} is already running")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[rid] = stream
+        self._send(("add", rid, list(prompt_token_ids), params))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:  # client gone: stop spending compute on it
+                self._send(("abort", rid, None))
+
+    async def abort(self, request_id: str) -> RequestOutput | None:
+        fut: asyncio.Future[RequestOutput | None] = asyncio.get_running_loop().create_future()
+        self._send(("abort", request_id, fut))
+        return await fut
+
+    async def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
+        """Teacher-forced re-execution of recorded windows; replays share G x W verify passes."""
+        for req in requests:
+            check_replay(req, self.config.group, self.config.window)
+            self.validate(req.prompt_token_ids, req.params)
+        if not requests:
+            return []
+        loop = asyncio.get_running_loop()
+        job = _ReplayJob(loop, loop.create_future(), list(requests))
+        self._send(("replay", job))
+        return await job.future
+
+    def _send(self, command: tuple[Any, ...]) -> None:
+        self._inbox.put(command)
+        self._wake.set()
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        torch.set_num_threads(self._threads)
+        while not self._stop.is_set():
+            self._drain_inbox()
+            if not self.core.has_work():
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                touched = self.core.step()
+            except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
+                self._fail_all(exc)
+                continue
+            self._publish(touched)
+            self._finish_replays()
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            getattr(self, f"_on_{command[0]}")(*command[1:])
+
+    def _on_add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        try:
+            self.core.add_request(rid, prompt, params)
+        except ValueError as exc:
+            self._push(rid, exc)
+
+    def _on_abort(self, rid: str, fut: asyncio.Future[RequestOutput | None] | None) -> None:
+        seq = self.core.abort(rid)
+        out = self.core.output(seq) if seq is not None and seq.kind != SeqKind.REPLAY else None
+        if out is not None:
+            self._remember(out)
+            self._push(rid, out)
+        elif rid in self._last:
+            out = self._last[rid]
+        self._streams.pop(rid, None)
+        if fut is not None:
+            fut.get_loop().call_soon_threadsafe(_resolve, fut, out)
+
+    def _on_replay(self, job: _ReplayJob) -> None:
+        try:
+            job.seqs = [self.core.add_replay(f"replay-{next(self._ids)}-{r.replay_id}", r.prompt_token_ids,
+                                             r.token_ids, r.params, r.windows) for r in job.requests]
+            self._replays.append(job)
+        except ValueError as exc:
+            job.loop.call_soon_threadsafe(_reject, job.future, exc)
+
+    def _publish(self, touched: list[Sequence]) -> None:
+        for seq in touched:
+            if seq.kind == SeqKind.REPLAY:
+                continue
+            stream = self._streams.get(seq.request_id)
+            if stream is not None and stream.published == len(seq.tokens) and not seq.is_finished:
+                continue
+            out = self.core.output(seq)
+            self._remember(out)
+            if stream is not None:
+                stream.published = len(seq.tokens)
+                self._push(seq.request_id, out)
+            if seq.is_finished:
+                self._streams.pop(seq.request_id, None)
+
+    def _finish_replays(self) -> None:
+        done = [j for j in self._replays if all(s.is_finished for s in j.seqs)]
+        for job in done:
+            self._replays.remove(job)
+            results = [replace_id(replay_result(r, s), r.replay_id) for r, s in zip(job.requests, job.seqs)]
+            job.loop.call_soon_threadsafe(_resolve, job.future, results)
+
+    def _push(self, rid: str, item: RequestOutput | BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        if isinstance(item, BaseException):
+            self._streams.pop(rid, None)
+
+    def _remember(self, out: RequestOutput) -> None:
+        self._last[out.request_id] = out
+        self._last.move_to_end(out.request_id)
+        while len(self._last) > _LAST_OUTPUTS_KEPT:
+            self._last.popitem(last=False)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A failed step leaves no trustworthy state: abort everything and tell every waiter."""
+        for rid in list(self.core.seqs):
+            self.core.abort(rid)
+        for rid in list(self._streams):
+            self._push(rid, RuntimeError(f"engine step failed: {exc!r}"))
+        for job in self._replays:
+            job.loop.call_soon_threadsafe(_reject, job.future, RuntimeError(f"engine step failed: {exc!r}"))
+        self._replays.clear()
+
+
+def replace_id(result: ReplayResult, replay_id: str) -> ReplayResult:
+    from dataclasses import replace
+
+    return replace(result, replay_id=replay_id)
+
+
+def _resolve(fut: asyncio.Future[Any], value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _reject(fut: asyncio.Future[Any], exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

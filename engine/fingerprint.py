@@ -1,0 +1,83 @@
+"""Runtime fingerprint (DESIGN §4): everything outside the weights that can change the bits.
+
+On the CPU the GEMM blocking follows the instruction set and the thread count, so both are part of it;
+the KV block size is too, because the attention tiles are multiples of it.
+"""
+from __future__ import annotations
+
+import hashlib
+import platform
+from pathlib import Path
+
+import numpy as np
+import rfc8785
+import torch
+
+from engine.config import EngineConfig
+from engine.sampling import SAMPLER_ID
+
+ENGINE_VERSION = "0.1.0"
+_ISA_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c", "avx_vnni")
+
+
+def cpu_model() -> str:
+    for line in _cpuinfo_lines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_isa_flags() -> str:
+    """GEMM-relevant ISA flags, sorted, space-separated (e.g. 'avx2 avx512bw avx512f fma')."""
+    for line in _cpuinfo_lines():
+        if line.startswith("flags"):
+            flags = line.split(":", 1)[1].split()
+            return " ".join(sorted({f for f in flags if f.startswith(_ISA_PREFIXES)}))
+    return ""
+
+
+def _cpuinfo_lines() -> list[str]:
+    path = Path("/proc/cpuinfo")
+    return path.read_text().splitlines() if path.is_file() else []
+
+
+def _nvidia_driver() -> str:
+    path = Path("/proc/driver/nvidia/version")
+    if not path.is_file():
+        return "unknown"
+    first = path.read_text().splitlines()[0]
+    parts = [p for p in first.split() if p[:1].isdigit() and "." in p]
+    return parts[0] if parts else first.strip()
+
+
+def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
+    """JSON-safe dict of the runtime fields; the same machine, software and config give the same dict."""
+    device = config.resolved_device
+    fp: dict[str, str | int] = {
+        "engine_version": ENGINE_VERSION,
+        "torch_version": torch.__version__,
+        "numpy_version": np.__version__,
+        "device_type": device.type,
+        "attention_backend": config.attention_backend,
+        "mode": config.mode.value,
+        "window": config.window,
+        "group": config.group,
+        "kv_block_size": config.block_size,
+        "sampler": SAMPLER_ID,
+        "dtype": str(config.resolved_dtype).removeprefix("torch."),
+    }
+    if device.type == "cuda":
+        fp["cuda_version"] = torch.version.cuda or "unknown"
+        fp["driver_version"] = _nvidia_driver()
+        fp["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        fp["cuda_version"] = "none"
+        fp["device_name"] = cpu_model()
+        fp["cpu_isa"] = cpu_isa_flags()
+        fp["torch_threads"] = torch.get_num_threads()
+    return fp
+
+
+def system_fingerprint(fingerprint: dict[str, str | int]) -> str:
+    """'fp_' + first 12 hex of SHA-256 over the RFC 8785 canonical JSON of the fingerprint."""
+    return "fp_" + hashlib.sha256(rfc8785.dumps(fingerprint)).hexdigest()[:12]
