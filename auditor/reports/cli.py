@@ -64,8 +64,8 @@ class _Bar:
 
         bar = self._bars.get(stage)
         if bar is None:
-            bar = self._bars[stage] = tqdm(total=total, desc=f"{stage:<11}", unit=" items" if stage != "render" else " step",
-                                           file=sys.stderr, leave=True)
+            unit = " step" if stage == "render" else " items"
+            bar = self._bars[stage] = tqdm(total=total, desc=f"{stage:<11}", unit=unit, file=sys.stderr, leave=True)
         bar.update(done - bar.n)
         if done >= total:
             bar.close()

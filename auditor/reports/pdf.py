@@ -59,7 +59,8 @@ def _counts(n: Narrative) -> list[Flowable]:
 
 
 def _dvr(n: Narrative) -> list[Flowable]:
-    rows = [["Model", "Transcripts", "Output tokens", "Verify passes", "Rollbacks", "Rollbacks / pass", "Recomputed / token"]]
+    rows = [["Model", "Transcripts", "Output tokens", "Verify passes", "Rollbacks", "Rollbacks / pass",
+             "Recomputed / token"]]
     rows += [[m.model, str(m.transcripts), str(m.output_tokens), str(m.verify_passes), str(m.rollbacks),
               f"{100 * m.rollback_rate:.1f} %", f"{100 * m.recompute_rate:.1f} %"] for m in n.stats.dvr]
     body: list[Flowable] = [_h("Decode–verify–rollback")]
@@ -99,7 +100,8 @@ def _transcripts(n: Narrative) -> list[Flowable]:
               r["replay_status"], r["log_index"]] for r in n.table_rows()]
     w = PAGE_WIDTH
     widths = [0.22 * w, 0.16 * w, 0.14 * w, 0.06 * w, 0.09 * w, 0.06 * w, 0.07 * w, 0.12 * w, 0.08 * w]
-    note = [] if len(n.rows) == len(n.table_rows()) else [_p(f"First {len(n.table_rows())} of {len(n.rows)} (all in summary.csv).")]
+    shown = len(n.table_rows())
+    note = [] if len(n.rows) == shown else [_p(f"First {shown} of {len(n.rows)} (all in summary.csv).")]
     return [_h("Transcripts"), *note, _table(rows, widths, mono_cols=(0,))]
 
 
@@ -108,7 +110,8 @@ def _content(n: Narrative) -> list[Flowable]:
         return []
     body: list[Flowable] = [_h("Content"), _p("Included on request.")]
     for c in n.content:
-        body += [_p(c.transcript_id, _STYLES["Heading4"]), _p("Prompt", _SMALL), Preformatted(clip(c.prompt_text), _MONO, maxLineLength=110),
+        body += [_p(c.transcript_id, _STYLES["Heading4"]),
+                 _p("Prompt", _SMALL), Preformatted(clip(c.prompt_text), _MONO, maxLineLength=110),
                  _p("Output", _SMALL), Preformatted(clip(c.output_text), _MONO, maxLineLength=110)]
     return body
 

@@ -111,7 +111,7 @@ class _Ctx:
 
 def verify_bundle(source: bytes | str | Path, jwks: Mapping[str, Any] | None = None) -> BundleVerification:
     """Verify a bundle (ZIP bytes or a path); ``jwks`` overrides the bundle's own ``jwks.json``."""
-    result = BundleVerification(source if isinstance(source, str) else str(source) if isinstance(source, Path) else "<bytes>")
+    result = BundleVerification("<bytes>" if isinstance(source, bytes) else str(source))
     files = _read_zip(source, result)
     if files is None:
         return result
@@ -145,7 +145,8 @@ def _read_zip(source: bytes | str | Path, result: BundleVerification) -> dict[st
         return None
 
 
-def _keys(files: Mapping[str, bytes], jwks: Mapping[str, Any] | None, result: BundleVerification) -> dict[str, VerifierKey] | None:
+def _keys(files: Mapping[str, bytes], jwks: Mapping[str, Any] | None,
+          result: BundleVerification) -> dict[str, VerifierKey] | None:
     try:
         doc = jwks if jwks is not None else json.loads(files[b.JWKS_PATH])
         keys = as_verifier_keys(doc)
@@ -159,7 +160,8 @@ def _keys(files: Mapping[str, bytes], jwks: Mapping[str, Any] | None, result: Bu
     return keys
 
 
-def _manifest(files: Mapping[str, bytes], keys: Mapping[str, VerifierKey], result: BundleVerification) -> dict[str, Any] | None:
+def _manifest(files: Mapping[str, bytes], keys: Mapping[str, VerifierKey],
+              result: BundleVerification) -> dict[str, Any] | None:
     for path in (MANIFEST_PATH, MANIFEST_ENVELOPE_PATH):
         if path not in files:
             result.fail("manifest", f"{path} is missing", path)
@@ -315,7 +317,8 @@ def _inclusion(ctx: _Ctx, check: str, digest: str, log_index: Any, proof_json: A
     result.add(check, True, f"log index {log_index} under the end checkpoint's root", **where)
 
 
-def _scope(ctx: _Ctx, statement: Mapping[str, Any], content: Any, where: Mapping[str, Any], result: BundleVerification) -> None:
+def _scope(ctx: _Ctx, statement: Mapping[str, Any], content: Any, where: Mapping[str, Any],
+           result: BundleVerification) -> None:
     f, p = ctx.manifest["filters"], statement["predicate"]
     problems = []
     if p["transcript"].get("tenant") != ctx.manifest["tenant"]:
@@ -422,7 +425,8 @@ def _summary(ctx: _Ctx, result: BundleVerification) -> None:
         statement, digest, log_index, sig_ok = known
         det = bool(statement["predicate"].get("sampling", {}).get("deterministic"))
         want = summary_row(statement, log_index, sig_ok, replay_status(det, by_tid.get(tid, [])), digest)
-        diff = [f"{k}={row.get(k)!r} (recomputed from the transcript: {want[k]!r})" for k in SUMMARY_COLUMNS if row.get(k) != want[k]]
+        diff = [f"{k}={row.get(k)!r} (recomputed from the transcript: {want[k]!r})"
+                for k in SUMMARY_COLUMNS if row.get(k) != want[k]]
         result.add("summary", not diff, "; ".join(diff) or "row matches the signed transcript", b.SUMMARY_PATH, n, tid)
     for tid in sorted(set(ctx.statements) - seen):
         result.fail("summary", "transcript has no row in summary.csv", b.SUMMARY_PATH, transcript_id=tid)

@@ -70,7 +70,8 @@ class SampleLog:
             sampling_params={"max_tokens": 9, "temperature": 0.7, "top_p": 1.0, "top_k": 0},
             seed=2**63 + k, deterministic=deterministic, prompt_ids=prompt, output_ids=output, salt=salt,
             finish_reason="length", windows=[(1, 5), (5, 9)] if deterministic else [], window_shape=(4, 8),
-            logprobs=[-0.5] * len(output), dvr=DvrStats(2 + k % 2, k % 2, 3 * (k % 2)) if deterministic else DvrStats(0, 0, 0),
+            logprobs=[-0.5] * len(output),
+            dvr=DvrStats(2 + k % 2, k % 2, 3 * (k % 2)) if deterministic else DvrStats(0, 0, 0),
         )
         signed = sign_transcript(x, self.keyring)
         made = Made(signed, TranscriptContent(salt, prompt, output, [-0.5] * len(output),

@@ -231,10 +231,12 @@ def test_tampered_checkpoint_and_replay_verdict(log_and_start: tuple[SampleLog, 
     note = files["checkpoints/end.txt"].decode().split("\n")
     note[1] = str(int(note[1]) + 1)
     files["checkpoints/end.txt"] = "\n".join(note).encode()
-    files["replays.jsonl"] = edit_line(files["replays.jsonl"], 2, lambda o: o.__setitem__("verdict", "inconclusive_environment"))
+    files["replays.jsonl"] = edit_line(files["replays.jsonl"], 2,
+                                       lambda o: o.__setitem__("verdict", "inconclusive_environment"))
     bad = failures(rezip(files))
     assert any(f.check == "checkpoint" and f.file == "checkpoints/end.txt" for f in bad)
-    assert any(f.check == "replay" and f.line == 2 and "verdict 'inconclusive_environment', attestation says" in f.detail for f in bad)
+    assert any(f.check == "replay" and f.line == 2 and "verdict 'inconclusive_environment', attestation says" in f.detail
+               for f in bad)
 
 
 def test_filters_period_and_deterministic_only(log_and_start: tuple[SampleLog, int]) -> None:

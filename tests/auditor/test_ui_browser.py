@@ -29,7 +29,8 @@ SCREENSHOT_ENV = "VERBATIM_CONSOLE_SCREENSHOT"
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"{CHROMIUM} missing: `apt-get install chromium` (make setup does)"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(),
+                       reason=f"{CHROMIUM} missing: `apt-get install chromium` (make setup does)"),
 ]
 
 
