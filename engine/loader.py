@@ -115,7 +115,7 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 def _dequantize_into(gguf: Path, folder: Path, source_sha256: str) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     where, name = str(gguf.parent), gguf.name
     try:
@@ -123,7 +123,10 @@ def _dequantize_into(gguf: Path, folder: Path, source_sha256: str) -> None:
     except (ValueError, KeyError) as exc:
         raise ValueError(f"model: cannot read GGUF {str(gguf)!r}: {exc}") from exc
     architecture_of(config)
-    hf_model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32)
+    # dequantize=True: with the `kernels` package installed transformers would keep the blocks packed
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     state = _stored_state(hf_model)
     folder.mkdir(parents=True)
@@ -139,11 +142,15 @@ def _dequantize_into(gguf: Path, folder: Path, source_sha256: str) -> None:
 def _stored_state(hf_model: Any) -> dict[str, torch.Tensor]:
     """The state dict as stored: contiguous float32, a tied lm_head left out."""
     tied = bool(getattr(hf_model.config, "tie_word_embeddings", False))
-    return {
+    state = {
         k: v.detach().contiguous()
         for k, v in hf_model.state_dict().items()
         if not (tied and k == "lm_head.weight")
     }
+    packed = sorted(k for k, v in state.items() if v.dtype != torch.float32)
+    if packed:
+        raise RuntimeError(f"GGUF dequantization left {len(packed)} tensors not float32, first: {packed[:3]}")
+    return state
 
 
 def _read_marker(folder: Path) -> dict[str, str]:
