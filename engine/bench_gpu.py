@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "lite_generate", "verify_cost", "engine_generate", "hf_generate")
+SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
+                      "engine_generate", "hf_generate")
 ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes")
 BLOCK_SIZE = 16
 
@@ -140,31 +141,51 @@ def _bandwidth(ctx: Ctx) -> float:
 
 
 def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
-    """Graph-replayed decode step at each batch size with `context` keys per row, vs the byte floor."""
+    """Graph-replayed decode step at each batch size with `context` keys per row, vs the byte floor.
+
+    The KV cache is sized as the engine would size it: 90 % of the memory free after the weights.
+    """
     from engine.cuda_graphs import DecodeGraphs
+    from engine.gpu_memory import DEFAULT_KV_SHARE, kv_blocks_for_free_memory, kv_bytes_per_block
 
     model = synthetic(ctx)
     bw = _bandwidth(ctx)
+    a = model.arch
     batches, context = ctx.args.batches, ctx.args.context
     blocks_per_row = -(-(context + 64) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + max(batches) * blocks_per_row, BLOCK_SIZE)
-    fill_cache_(kv)
+    torch.cuda.empty_cache()
+    free_after_weights = torch.cuda.mem_get_info()[0]
+    per_block = kv_bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, BLOCK_SIZE, model.dtype)
+    num_blocks = kv_blocks_for_free_memory(per_block, DEFAULT_KV_SHARE)
+    kv = model.allocate_kv_cache(num_blocks, BLOCK_SIZE)
+    used = 2 + max(batches) * blocks_per_row
+    for t in kv.k + kv.v:  # random finite K/V where the rows live (timing on zeros can flatter kernels)
+        t[2:used].normal_(0.0, 0.5)
     graphs = DecodeGraphs(model, kv, max(batches), blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
                           batch_sizes=batches)
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
-    out: dict[str, Any] = {"context": context, "capture_s": round(capture_s, 2), "batches": {}}
+    out: dict[str, Any] = {
+        "context": context, "capture_s": round(capture_s, 2), "batches": {},
+        "memory": {"free_after_weights_bytes": free_after_weights, "kv_share": DEFAULT_KV_SHARE,
+                   "kv_blocks": num_blocks, "kv_cache_bytes": kv.nbytes,
+                   "kv_fraction_of_free": kv.nbytes / free_after_weights,
+                   "kv_tokens": num_blocks * BLOCK_SIZE},
+    }
     for b in batches:
         tables = contiguous_tables(b, blocks_per_row)
-        ids = [(7 * r + 1) % model.arch.vocab_size for r in range(b)]
+        ids = [(7 * r + 1) % a.vocab_size for r in range(b)]
         pos = [context - 1] * b
 
         def step() -> None:
             graphs.run(ids, pos, [context] * b, tables)
 
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
         stats_before = torch.cuda.memory_stats()
-        t = time_cuda(step, reps=ctx.args.reps)
+        t = time_cuda(step, reps=ctx.args.reps, warmup=0)
         stats_after = torch.cuda.memory_stats()
         floor_bytes = ctx.weight_bytes + b * context * kv_bytes_per_token(model)
         floor_ms = floor_bytes / bw * 1e3
@@ -177,8 +198,53 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
                 stats_after["allocation.all.allocated"] - stats_before["allocation.all.allocated"],
         }
     out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
-    out["kv_cache_bytes"] = kv.nbytes
     del graphs, kv
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
+    """Where a decode step's time goes: the same GEMMs alone (graphed), unfused and with fused QKV /
+    gate-up weights, against the full graphed step (batch 1 and the largest batch)."""
+    model = synthetic(ctx)
+    bw = _bandwidth(ctx)
+    layers = model.model.layers
+    out: dict[str, Any] = {}
+    fused = [(torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]),
+              l.self_attn.o_proj.weight, torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]),
+              l.mlp.down_proj.weight) for l in layers]
+    for b in (1, max(ctx.args.batches)):
+        x_h = torch.randn(b, model.arch.hidden_size, dtype=model.dtype, device=ctx.device)
+        x_i = torch.randn(b, model.arch.intermediate_size, dtype=model.dtype, device=ctx.device)
+
+        def unfused() -> None:
+            for l in layers:
+                for lin in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
+                            l.mlp.gate_proj, l.mlp.up_proj):
+                    torch.nn.functional.linear(x_h, lin.weight)
+                torch.nn.functional.linear(x_i, l.mlp.down_proj.weight)
+            torch.nn.functional.linear(x_h, model.lm_head.weight)
+
+        def fused_gemms() -> None:
+            for qkv, o, gate_up, down in fused:
+                torch.nn.functional.linear(x_h, qkv)
+                torch.nn.functional.linear(x_h, o)
+                torch.nn.functional.linear(x_h, gate_up)
+                torch.nn.functional.linear(x_i, down)
+            torch.nn.functional.linear(x_h, model.lm_head.weight)
+
+        entry = {"weights_floor_ms": ctx.weight_bytes / bw * 1e3}
+        for name, fn in (("gemms_unfused", unfused), ("gemms_fused_qkv_gateup", fused_gemms)):
+            with torch.inference_mode():
+                fn()
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+            entry[f"{name}_ms"] = time_cuda(graph.replay, reps=ctx.args.reps)["median_ms"]
+            del graph
+        out[str(b)] = entry
+    del fused
     torch.cuda.empty_cache()
     return out
 
@@ -335,10 +401,10 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
         out["prefill_logits_max_abs_diff"] = (ours - theirs).abs().max().item()
         out["prefill_top1_agree"] = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     static()  # warm-up
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     seqs = static()
-    torch.cuda.synchronize()
+    _sync()
     total = time.perf_counter() - t0
     out["static_batch"] = {"seconds": total, "output_tok_per_s": n_req * n_out / total,
                            "generated": int(seqs.shape[1] - n_in)}
@@ -519,7 +585,8 @@ def _pct(values: list[float], p: float) -> float | None:
 
 
 SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
-    "bandwidth": bench_bandwidth, "decode_step": bench_decode_step, "lite_generate": bench_lite_generate,
+    "bandwidth": bench_bandwidth, "decode_step": bench_decode_step, "decode_breakdown": bench_decode_breakdown,
+    "lite_generate": bench_lite_generate,
     "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
     "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
 }
@@ -664,6 +731,15 @@ def summary(result: dict[str, Any]) -> str:
     for b, v in result.get("decode_step", {}).get("batches", {}).items():
         lines.append(f"decode b={b}: {v['median_ms']:.2f} ms (floor {v['floor_ms']:.2f}, x{v['ratio_to_floor']:.2f}) "
                      f"eager {v['eager_median_ms']} allocs {v['device_allocations_during_timed_steps']}")
+    for b, v in result.get("decode_breakdown", {}).items():
+        if isinstance(v, dict):
+            lines.append(f"breakdown b={b}: gemms {v.get('gemms_unfused_ms', 0):.2f} ms, fused "
+                         f"{v.get('gemms_fused_qkv_gateup_ms', 0):.2f} ms, weights floor {v['weights_floor_ms']:.2f} ms")
+    mem = result.get("decode_step", {}).get("memory")
+    if mem:
+        lines.append(f"kv cache {mem['kv_cache_bytes'] / 2**30:.1f} GiB = {mem['kv_fraction_of_free']:.3f} of "
+                     f"{mem['free_after_weights_bytes'] / 2**30:.1f} GiB free after weights; peak allocated "
+                     f"{result['decode_step'].get('peak_allocated_bytes', 0) / 2**30:.1f} GiB")
     for key in ("lite_generate", "engine_generate"):
         v = result.get(key, {})
         if "output_tok_per_s" in v:

@@ -21,6 +21,7 @@ bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -67,7 +68,8 @@ class _StaticPass:
         tab[:rows].fill_(pad_block)
         for r, t in enumerate(tables):
             tab[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        self.i64[:, :n].copy_(h64[:, :n], non_blocking=True)
+        # whole buffers: a copy of a strided slice would allocate a contiguous temporary on the device
+        self.i64.copy_(h64, non_blocking=True)
         self.i32.copy_(h32, non_blocking=True)
         self.copied.record()
 
@@ -89,6 +91,20 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         self.pool = None
+
+    @classmethod
+    def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
+                   scratch_block: int, graph_max_len: int = 4096) -> DecodeGraphs:
+        """Captured graphs for an engine's model runner (longer rows fall back to eager decode)."""
+        graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
+                     scratch_slot=scratch_block * kv.block_size)
+        graphs.capture()
+        return graphs
+
+    def run_rows(self, rows: Sequence[Any]) -> torch.Tensor | None:
+        """`run` for model-runner rows (`.tokens` = [last token], `.start_pos`, `.block_table`)."""
+        return self.run([r.tokens[0] for r in rows], [r.start_pos for r in rows],
+                        [r.start_pos + 1 for r in rows], [r.block_table for r in rows])
 
     def _forward(self, rows: int) -> torch.Tensor:
         ids, pos, slots, lens, tables, qsl = self.static.views(rows)
