@@ -116,6 +116,7 @@ def create_app(
         middleware=[lambda app: observe(app, services)],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=None,
+        logging_config=None,  # logging is configured once at the edge (auditor.logs, by `serve`)
         debug=False,
     )
     app.state.services = services
