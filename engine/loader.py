@@ -103,7 +103,11 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     staging = cache_dir / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
-    _dequantize_into(gguf, staging, target.name)
+    try:
+        _dequantize_into(gguf, staging, target.name)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     try:
         staging.rename(target)
     except OSError:  # another process finished first; its folder holds the same bytes
@@ -115,18 +119,17 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
 
 def _dequantize_into(gguf: Path, folder: Path, source_sha256: str) -> None:
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     where, name = str(gguf.parent), gguf.name
     try:
-        config = AutoConfig.from_pretrained(where, gguf_file=name)
+        # dequantize=True: with the `kernels` package installed transformers would keep the blocks packed
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+        )
     except (ValueError, KeyError) as exc:
-        raise ValueError(f"model: cannot read GGUF {str(gguf)!r}: {exc}") from exc
-    architecture_of(config)
-    # dequantize=True: with the `kernels` package installed transformers would keep the blocks packed
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        where, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
+        raise ValueError(f"model: cannot load GGUF {str(gguf)!r}: {exc}") from exc
+    architecture_of(hf_model.config)
     tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name)
     state = _stored_state(hf_model)
     folder.mkdir(parents=True)

@@ -120,6 +120,15 @@ def test_non_gguf_file_is_refused(tmp_path: Path) -> None:
         load_model_source(str(f))
 
 
+def test_corrupt_gguf_is_refused_and_leaves_no_cache(tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"^model: cannot load GGUF .*broken\.gguf"):
+        load_model_source(bad, cache_dir=cache)
+    assert list(cache.iterdir()) == []
+
+
 def test_unsupported_architecture_is_refused(tiny_llama_dir: Path, tmp_path: Path) -> None:
     folder = tmp_path / "gpt2ish"
     shutil.copytree(tiny_llama_dir, folder)
