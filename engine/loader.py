@@ -7,7 +7,8 @@ Digests (hex SHA-256):
 - weights_digest: over the canonical weights, i.e. the tensors of the loaded folder in their stored
   dtype (for a GGUF source: the dequantized float32 tensors; a tied lm_head is not stored). For each
   tensor in sorted name order: u32le len(name) | name utf-8 | u32le len(dtype) | dtype (e.g.
-  "torch.float32") | u32le ndim | u64le each dim | raw little-endian C-order bytes.
+  "torch.float32") | u32le ndim | u64le each dim | raw little-endian C-order bytes. Recomputed on every
+  load (~1 s for SmolLM2); a GGUF cache must also match the digest recorded when it was written.
 - tokenizer_digest: over the backend tokenizer's JSON serialization (vocab, merges, normalizer,
   pre-tokenizer, added tokens), or over the tokenizer files when there is no fast backend.
 - chat_template_digest: over the chat template's UTF-8 text (the empty string when none).
@@ -91,8 +92,10 @@ def load_model_source(
         if path.suffix != ".gguf":
             raise ValueError(f"model: file {str(path)!r} is not a .gguf file")
         folder = prepare_gguf(path, cache_dir or default_cache_dir())
-        return _load_folder(folder, path.stem, dtype, _read_marker(folder)["weights_digest"])
-    return _load_folder(path, path.resolve().name, dtype, None)
+        source = _load_folder(folder, path.stem, dtype)
+        _check_cache_digest(folder, source.info.weights_digest)
+        return source
+    return _load_folder(path, path.resolve().name, dtype)
 
 
 def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -156,14 +159,18 @@ def _stored_state(hf_model: Any) -> dict[str, torch.Tensor]:
     return state
 
 
-def _read_marker(folder: Path) -> dict[str, str]:
+def _check_cache_digest(folder: Path, digest: str) -> None:
+    """The cached weights must still be the ones written (the digest is signed into transcripts)."""
     marker = json.loads((folder / CACHE_MARKER).read_text())
     if marker.get("format") != CACHE_FORMAT:
-        raise ValueError(f"model: cache {str(folder)!r} has format {marker.get('format')!r}, expected {CACHE_FORMAT}")
-    return marker
+        raise ValueError(f"model: cache {str(folder)!r} has format {marker.get('format')!r}, expected "
+                         f"{CACHE_FORMAT}; delete the folder to rebuild it")
+    if marker.get("weights_digest") != digest:
+        raise ValueError(f"model: cached weights in {str(folder)!r} do not match their recorded digest "
+                         "(corrupt or modified); delete the folder to rebuild it")
 
 
-def _load_folder(folder: Path, name: str, dtype: torch.dtype, digest: str | None) -> ModelSource:
+def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> ModelSource:
     from transformers import AutoConfig, AutoTokenizer
 
     if not (folder / "config.json").is_file():
@@ -180,7 +187,7 @@ def _load_folder(folder: Path, name: str, dtype: torch.dtype, digest: str | None
         raise ValueError(f"model: cannot load a tokenizer from {str(folder)!r}: {exc}") from exc
     info = ModelInfo(
         name=name,
-        weights_digest=digest or weights_digest(iter_weights(files)),
+        weights_digest=weights_digest(iter_weights(files)),
         tokenizer_digest=tokenizer_digest(tokenizer, folder),
         chat_template_digest=sha256_bytes((tokenizer.chat_template or "").encode()),
         dtype=str(dtype).removeprefix("torch."),

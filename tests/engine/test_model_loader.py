@@ -158,6 +158,19 @@ def test_folder_without_tokenizer_is_refused(tiny_llama_dir: Path, tmp_path: Pat
         load_model_source(folder)
 
 
+def test_modified_cache_is_refused(smollm2_source, tmp_path: Path) -> None:
+    """The weights digest is recomputed on every start: an edited cached tensor cannot pass as the GGUF's."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / smollm2_source.folder.name
+    shutil.copytree(smollm2_source.folder, copy)
+    state = load_file(str(copy / "model.safetensors"))
+    state["model.norm.weight"][0] += 1.0
+    save_file(state, str(copy / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="^model: cached weights in .* do not match their recorded digest"):
+        load_model_source("default", cache_dir=tmp_path)
+
+
 @pytest.mark.slow
 def test_gguf_is_dequantized_once_then_loaded_from_cache(tmp_path: Path, smollm2_source) -> None:
     """First start dequantizes into the cache; the second reads the cached folder (a few seconds)."""
