@@ -15,9 +15,11 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
 - ``match``: the canonical prefill and the verifier predicted exactly the stored token ids, and the
   predictions hash to the signed output commitment and the signed float32 logprob digest.
 - ``mismatch``: the first divergent output position, its window, the stored (expected) token and the
-  replayed one. The comparison is against the stored token ids (the record under audit); the details
-  also say whether the *replayed* tokens still open the signed commitment, which tells an altered
-  record (replay reproduces what was signed) from an engine that no longer reproduces it.
+  replayed one. The comparison is against the stored token ids (the record under audit), teacher-
+  forced, so positions after the first divergence see the stored (possibly altered) context. The
+  details say whether the stored ids open the signed commitment (``record_checks``) and whether they
+  do once the replayed token is put at the divergence (``corrected_matches_commitment``): true means
+  the record was altered at exactly that position and the engine still reproduces what was signed.
 - ``inconclusive_environment``: the runtime fingerprint differs from the recorded one (bit-exactness
   is promised on the same hardware and software). The replay still runs and its outcome is in the
   details; only a different verify shape (G, W) cannot run, because the recorded passes cannot be
@@ -228,11 +230,15 @@ def _divergence(record: Record, result: ReplayResult, details: Mapping[str, Any]
         if details["logprob_digest_match"] and details["output_commitment_match"]:
             return None
         return {"window_index": None, "window": None, "position": None, "expected_token": None,
-                "replayed_token": None}
+                "replayed_token": None, "corrected_matches_commitment": False}
     window = _window_of(record.spans, position)
+    corrected = list(record.output_ids)
+    corrected[position] = result.token_ids[position]
+    signed = record.predicate["tokens"]["output_commitment"]
     return {"window_index": window, "window": list(record.spans[window]) if window is not None else None,
             "position": position, "expected_token": record.output_ids[position],
-            "replayed_token": result.token_ids[position]}
+            "replayed_token": result.token_ids[position],
+            "corrected_matches_commitment": cn.output_commitment(record.salt, corrected) == signed}
 
 
 def _first_logprob_difference(stored: Sequence[float], replayed: Sequence[float]) -> int | None:

@@ -105,6 +105,9 @@ def render(job: dict[str, Any]) -> str:
         lines.append(f"  first divergence at output position {divergence['position']} (window "
                      f"{divergence['window_index']} {divergence['window']}): expected token "
                      f"{divergence['expected_token']}, replayed {divergence['replayed_token']}")
+        if divergence.get("corrected_matches_commitment"):
+            lines.append("  with the replayed token there, the stored ids open the signed commitment: the record was "
+                         "altered at that position and the engine reproduces what was signed")
     for name, diff in (details.get("differences") or {}).items():
         lines.append(f"  environment differs: {name}: recorded {diff['recorded']!r}, now {diff['current']!r}")
     if details.get("reason"):
