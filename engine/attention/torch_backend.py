@@ -70,7 +70,7 @@ class TorchAttention:
     def plan(self, meta: AttentionMetadata, block_size: int) -> AttentionPlan:
         starts = meta.query_start_loc.tolist()
         seq_lens = meta.seq_lens.tolist()
-        counts = [b - a for a, b in zip(starts[:-1], starts[1:])]
+        counts = [b - a for a, b in zip(starts[:-1], starts[1:], strict=True)]
         _check_rows(counts, seq_lens, meta)
         bpt = self.tile_size(block_size) // block_size
         slots = meta.slot_mapping.to(torch.long)
@@ -144,7 +144,7 @@ def tiled_attention(
     qf = q.float().view(r, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, group * n, d)
     qpos = q_pos.repeat(1, group)  # [R, group * n]
     m = torch.full((r, hkv, group * n), -math.inf, dtype=torch.float32, device=q.device)
-    l = torch.zeros((r, hkv, group * n), dtype=torch.float32, device=q.device)
+    denom = torch.zeros((r, hkv, group * n), dtype=torch.float32, device=q.device)
     acc = torch.zeros((r, hkv, group * n, d), dtype=torch.float32, device=q.device)
     offsets = torch.arange(tile, device=q.device)
     for t in range(num_tiles):
@@ -157,10 +157,10 @@ def tiled_attention(
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
-        l = l * alpha + p.sum(dim=-1)
+        denom = denom * alpha + p.sum(dim=-1)
         acc = acc * alpha[..., None] + torch.matmul(p, vt)
         m = m_new
-    out = acc / l[..., None]  # [R, Hkv, group * n, D]
+    out = acc / denom[..., None]  # [R, Hkv, group * n, D]
     return out.view(r, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(r, n, hq, d)
 
 
@@ -169,7 +169,7 @@ def _check_rows(counts: list[int], seq_lens: list[int], meta: AttentionMetadata)
         raise ValueError(f"query_start_loc has {len(counts) + 1} entries but seq_lens has {len(seq_lens)}")
     if sum(counts) != meta.num_tokens:
         raise ValueError(f"query_start_loc covers {sum(counts)} tokens but slot_mapping has {meta.num_tokens}")
-    for r, (n, s) in enumerate(zip(counts, seq_lens)):
+    for r, (n, s) in enumerate(zip(counts, seq_lens, strict=True)):
         if n < 0 or s < n:
             raise ValueError(f"row {r}: seq_lens={s} must be >= its query count {n} >= 0")
 
@@ -219,8 +219,9 @@ def _decode_attention(
 ) -> torch.Tensor:  # [R, Hq, D]
     r, nb = batch.block_ids.shape
     hkv, d = k_cache.shape[2], k_cache.shape[3]
-    keys = gather_blocks(k_cache, batch.block_ids).view(r, nb * k_cache.shape[1], hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
-    values = gather_blocks(v_cache, batch.block_ids).view(r, nb * k_cache.shape[1], hkv, d).transpose(1, 2)
+    length = nb * k_cache.shape[1]
+    keys = gather_blocks(k_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
+    values = gather_blocks(v_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=batch.key_mask, scale=scale, enable_gqa=True
     )  # [R, Hq, 1, D]

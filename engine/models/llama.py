@@ -152,7 +152,9 @@ class LlamaForCausalLM(nn.Module):
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         a = self.arch
-        return KVCache.allocate(a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device)
+        return KVCache.allocate(
+            a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
+        )
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -166,7 +168,8 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"model: unexpected weight {name!r} for {self.arch.architecture}")
             if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+                expected = tuple(params[name].shape)
+                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
             params[name].copy_(tensor)
             loaded.add(name)
         missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))

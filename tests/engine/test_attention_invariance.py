@@ -110,15 +110,17 @@ class _TwoSplitAttention(TorchAttention):
             seq_len = int(group.q_pos[r, -1]) + 1
             slots = torch.arange(seq_len)
             blocks = group.block_ids[r, slots // BLOCK] * BLOCK + slots % BLOCK
-            keys, values = (c.view(-1, HKV, D)[blocks].float().repeat_interleave(HQ // HKV, 1) for c in (k_cache, v_cache))
+            keys, values = (
+                c.view(-1, HKV, D)[blocks].float().repeat_interleave(HQ // HKV, 1) for c in (k_cache, v_cache)
+            )
             s = torch.einsum("qhd,khd->hqk", q[first : first + n].float(), keys) * scale
             s = s.masked_fill(slots[None, None, :] > group.q_pos[r][None, :, None], float("-inf"))
             half = seq_len // 2
             parts = [(s[..., a:b], values[a:b]) for a, b in ((0, half), (half, seq_len))]
             lse = [torch.logsumexp(p, -1) for p, _ in parts]
             total = torch.logsumexp(torch.stack(lse), 0)
-            o = sum(torch.exp(l - total)[..., None] * torch.einsum("hqk,khd->hqd", torch.softmax(p, -1), vv)
-                    for l, (p, vv) in zip(lse, parts))
+            o = sum(torch.exp(part_lse - total)[..., None] * torch.einsum("hqk,khd->hqd", torch.softmax(p, -1), vv)
+                    for part_lse, (p, vv) in zip(lse, parts, strict=True))
             out[first : first + n] = o.transpose(0, 1).to(q.dtype)
         return out
 

@@ -78,7 +78,8 @@ def test_hf_folder_loads_and_matches_transformers(tiny_llama_dir: Path) -> None:
     ids = source.tokenizer.encode("The quick brown fox jumps over the lazy dog")
     rows = [RowSpec([2, 1], 0, len(ids))]
     kv = model.allocate_kv_cache(num_blocks=3, block_size=16)
-    ours = model.compute_logits(model(torch.tensor(ids), positions_of(rows), build_metadata(PassKind.PREFILL, rows, 16), kv))
+    meta = build_metadata(PassKind.PREFILL, rows, 16)
+    ours = model.compute_logits(model(torch.tensor(ids), positions_of(rows), meta, kv))
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
@@ -135,7 +136,8 @@ def test_unsupported_architecture_is_refused(tiny_llama_dir: Path, tmp_path: Pat
     config = json.loads((folder / "config.json").read_text())
     config.update(architectures=["MistralForCausalLM"], model_type="mistral")
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"^model: unsupported architecture \['MistralForCausalLM'\].*Qwen3ForCausalLM"):
+    expected = r"^model: unsupported architecture \['MistralForCausalLM'\].*Qwen3ForCausalLM"
+    with pytest.raises(ValueError, match=expected):
         load_model_source(folder)
 
 
