@@ -96,7 +96,8 @@ def render(job: dict[str, Any]) -> str:
     details = job["details"] or {}
     lines = [head + job["result"].upper()]
     if details.get("executed"):
-        lines.append(f"  {details['tokens']} tokens in {details['windows']} windows; tokens match: "
+        windows = f"{details['windows']} window" + ("" if details["windows"] == 1 else "s")
+        lines.append(f"  {details['tokens']} tokens in {windows}; tokens match: "
                      f"{_yes(details['tokens_match'])}, signed output commitment: "
                      f"{_yes(details['output_commitment_match'])}, signed logprob digest: "
                      f"{_yes(details['logprob_digest_match'])}")
