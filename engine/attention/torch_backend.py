@@ -31,6 +31,8 @@ class TileGroup:
     num_rows: int
     queries_per_row: int
     q_pos: torch.Tensor  # Long[R, n]: absolute query positions
+    key_masks: tuple[torch.Tensor | None, ...]  # per tile, Bool[R, 1, 1, n, tile]: key pos > query pos;
+    # None for a tile every query sees whole (masking it would be an exact no-op)
     block_ids: torch.Tensor  # Long[R, num_tiles * blocks_per_tile]
     num_tiles: int
 
@@ -106,7 +108,7 @@ class TorchAttention:
         for g in plan.tiled:
             n_tok = g.num_rows * g.queries_per_row
             qg = q[g.token_start : g.token_start + n_tok].view(g.num_rows, g.queries_per_row, *q.shape[1:])
-            og = tiled_attention(qg, g.q_pos, g.block_ids, g.num_tiles, plan.blocks_per_tile, k_cache, v_cache, scale)
+            og = tiled_attention(qg, g.key_masks, g.block_ids, plan.blocks_per_tile, k_cache, v_cache, scale)
             out[g.token_start : g.token_start + n_tok] = og.reshape(n_tok, *q.shape[1:]).to(q.dtype)
         return out
 
@@ -128,9 +130,8 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 
 def tiled_attention(
     q: torch.Tensor,  # [R, n, Hq, D]
-    q_pos: torch.Tensor,  # Long[R, n]
+    key_masks: tuple[torch.Tensor | None, ...],  # per tile, Bool[R, 1, 1, n, tile] or None
     block_ids: torch.Tensor,  # Long[R, num_tiles * bpt]
-    num_tiles: int,
     bpt: int,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
@@ -142,18 +143,16 @@ def tiled_attention(
     tile = bpt * k_cache.shape[1]
     # queries grouped under their KV head: [R, Hkv, group * n, D], index = group_idx * n + query_idx
     qf = q.float().view(r, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(r, hkv, group * n, d)
-    qpos = q_pos.repeat(1, group)  # [R, group * n]
     m = torch.full((r, hkv, group * n), -math.inf, dtype=torch.float32, device=q.device)
     denom = torch.zeros((r, hkv, group * n), dtype=torch.float32, device=q.device)
     acc = torch.zeros((r, hkv, group * n, d), dtype=torch.float32, device=q.device)
-    offsets = torch.arange(tile, device=q.device)
-    for t in range(num_tiles):
+    for t, masked in enumerate(key_masks):
         blk = block_ids[:, t * bpt : (t + 1) * bpt]  # [R, bpt]
         kt = gather_blocks(k_cache, blk).view(r, tile, hkv, d).float().permute(0, 2, 3, 1)  # [R, Hkv, D, tile]
         vt = gather_blocks(v_cache, blk).view(r, tile, hkv, d).float().permute(0, 2, 1, 3)  # [R, Hkv, tile, D]
         s = torch.matmul(qf, kt) * scale  # [R, Hkv, group * n, tile]
-        masked = (t * tile + offsets)[None, None, :] > qpos[:, :, None]  # [R, group * n, tile]
-        s = s.masked_fill(masked[:, None], -math.inf)
+        if masked is not None:
+            s.view(r, hkv, group, n, tile).masked_fill_(masked, -math.inf)
         m_new = torch.maximum(m, s.amax(dim=-1))
         alpha = torch.exp(m - m_new)
         p = torch.exp(s - m_new[..., None])
@@ -198,8 +197,14 @@ def _tile_group(
     device = meta.slot_mapping.device
     last = torch.tensor([seq_lens[r] for r in rows], dtype=torch.long, device=device)
     q_pos = last[:, None] - n + torch.arange(n, device=device)[None, :]
+    keys = torch.arange(num_tiles * tile, device=device).view(num_tiles, 1, 1, 1, 1, tile)
+    first_query = min(seq_lens[r] for r in rows) - n
+    masks = tuple(
+        None if (t + 1) * tile <= first_query + 1 else keys[t] > q_pos[:, None, None, :, None]
+        for t in range(num_tiles)
+    )
     block_ids = _padded_blocks(meta.block_tables, rows, num_tiles * bpt)
-    return TileGroup(starts[rows[0]], len(rows), n, q_pos, block_ids, num_tiles)
+    return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, block_ids, num_tiles)
 
 
 def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> DecodeBatch:
