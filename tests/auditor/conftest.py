@@ -215,10 +215,8 @@ REAL_ENGINE_OPTIONS: dict[str, Any] = {"window": 4, "group": 2, "max_num_seqs": 
 def real_engine() -> Iterator[tuple[LoopThread, Any]]:
     """The default model, loaded once per session; it runs on one long-lived event loop thread that
     every real-engine server of the session shares."""
-    try:
-        from engine import AsyncEngine, EngineConfig
-    except ImportError as exc:
-        pytest.skip(f"engine.AsyncEngine has not landed yet ({exc})")
+    from engine import AsyncEngine, EngineConfig
+
     loop_thread = LoopThread()
     engine = AsyncEngine(EngineConfig(**REAL_ENGINE_OPTIONS))
     loop_thread.run(engine.start())
