@@ -32,7 +32,7 @@ import torch
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
-ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes")
+ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic")
 BLOCK_SIZE = 16
 
 
@@ -318,7 +318,7 @@ def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
 
 
 def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
-    """The same requests through the engine core (nondeterministic), stepping with a time cap."""
+    """The same requests through the engine core (nondeterministic), eager, then with decode graphs."""
     from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.model_runner import ModelShape
@@ -332,11 +332,46 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
                             max_num_batched_tokens=n_req * n_in, max_model_len=4096)
     shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
                        model.arch.vocab_size, 4096)
-    llm = LLM.from_parts(config, model, shape, eos_ids=set())
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-    return _drive(llm.core, prompts, params, ctx.args.engine_cap_s, "eng")
+    out: dict[str, Any] = {}
+    for label, graphs in (("eager", False), ("decode_graphs", True)):
+        llm = LLM.from_parts(config, model, shape, eos_ids=set())
+        if graphs:
+            out["graph_hook"] = attach_decode_graphs(llm)
+        out[label] = _drive(llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}")
+        del llm
+        torch.cuda.empty_cache()
+    out["output_tok_per_s"] = max(out[k]["output_tok_per_s"] for k in ("eager", "decode_graphs"))
+    return out
+
+
+def attach_decode_graphs(llm: Any) -> str:
+    """Route the engine's decode steps through DecodeGraphs (what `EngineConfig.cuda_graphs` is for).
+
+    The bench wraps the runner's `decode` here because the model runner does not call the graphs itself
+    yet; the wrapper is the whole hook (graphs for the padded batch, eager when a row is too long)."""
+    from engine.config import SCRATCH_BLOCK
+    from engine.cuda_graphs import DecodeGraphs
+
+    runner = llm.core.runner
+    if runner.kv.k[0].device.type != "cuda":
+        return "no CUDA: eager"
+    if getattr(runner, "graphs", None) is not None:
+        return "model runner has its own graphs"
+    _use_triton(llm)
+    graphs = DecodeGraphs.for_engine(runner.model, runner.kv, llm.config.max_num_seqs,
+                                     llm.core.max_model_len, SCRATCH_BLOCK)
+    eager = runner.decode
+
+    def decode(rows: list[Any]) -> torch.Tensor:
+        logits = graphs.run_rows(rows)
+        return eager(rows) if logits is None else logits.clone()
+
+    runner.decode = decode
+    runner.graphs = graphs
+    return f"bench wrapper, {len(graphs.graphs)} graphs"
 
 
 def _engine_config(cls: Any, **kw: Any) -> Any:
@@ -503,6 +538,8 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         llm = LLM(config)
         _use_triton(llm)
+        if a.engine_graphs:
+            attach_decode_graphs(llm)
         prompts = smollm2_prompts(llm.tokenizer, a.rollback_prompts)
         params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
                                 deterministic=True, seed=1)
@@ -511,6 +548,9 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
         committed = max(res["committed_tokens"], 1)
         res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / committed
         res["rollbacks_per_verify_pass"] = st.get("rollbacks", 0) / max(st.get("verify_passes", 1), 1)
+        res["rollbacks_per_committed_token"] = st.get("rollbacks", 0) / committed
+        if w == 32:
+            ctx.extras["smollm2_rollbacks_per_token_w32"] = res["rollbacks_per_committed_token"]
         out["windows"][str(w)] = res
         out["prompt_len_min_max"] = [min(map(len, prompts)), max(map(len, prompts))]
         del llm
@@ -527,37 +567,38 @@ def _use_triton(llm: Any) -> None:
         model.attention = TritonPagedAttention()
 
 
-def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
-    """Issue 6 comparison (SmolLM2): same requests, output tok/s and latency per mode, ratio to nondet."""
-    from engine.config import EngineConfig, Mode
-    from engine.llm import LLM
+MODES: list[tuple[str, str, float]] = [("nondeterministic", "nondeterministic", 0.0)] + [
+    (f"dvr_{p}pct", "dvr", p / 100) for p in (2, 10, 50, 100)] + [("batch_invariant", "batch_invariant", 1.0)]
+
+
+def sharegpt_like_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
+    """Log-uniform lengths in [lo, hi]: many short, a long tail (the shape of ShareGPT's outputs)."""
+    rng = torch.Generator().manual_seed(seed)
+    u = torch.rand(n, generator=rng, dtype=torch.float64)
+    return [int(round(math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo))))) for x in u.tolist()]
+
+
+def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], out_lens: list[int],
+               cap_s: float, tag: str) -> dict[str, Any]:
+    """Each mode on the same requests (the first `share` of them deterministic); tok/s, p50/p99 latency."""
     from engine.sampling import SamplingParams
 
-    a = ctx.args
-    modes: list[tuple[str, str, float]] = [("nondeterministic", "nondeterministic", 0.0)]
-    modes += [(f"dvr_{p}pct", "dvr", p / 100) for p in (2, 10, 50, 100)]
-    if "BATCH_INVARIANT" in Mode.__members__:
-        modes.append(("batch_invariant", "batch_invariant", 1.0))
-    out: dict[str, Any] = {"requests": a.compare_requests, "new_tokens": a.compare_tokens, "modes": {}}
-    for name, mode, share in modes:
+    modes: dict[str, Any] = {}
+    for name, mode, share in MODES:
         try:
-            config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode=mode, window=32,
-                                    group=a.group, num_kv_blocks=a.smol_kv_blocks,
-                                    max_num_seqs=a.compare_requests, max_num_batched_tokens=8192,
-                                    cache_dir=a.cache_dir)
-        except ValueError as exc:
-            out["modes"][name] = {"error": str(exc)}
+            llm = make_llm(mode, share)
+        except ValueError as exc:  # e.g. a mode this build's EngineConfig refuses
+            modes[name] = {"error": str(exc)}
             continue
-        llm = LLM(config)
-        _use_triton(llm)
-        prompts = smollm2_prompts(llm.tokenizer, a.compare_requests)
         n_det = round(share * len(prompts))
-        seqs = [llm.core.add_request(f"{name}-{i}", p, SamplingParams(
-            max_tokens=a.compare_tokens, temperature=0.0, ignore_eos=True, deterministic=i < n_det, seed=i))
-            for i, p in enumerate(prompts)]
+        det_ids = set(range(0, len(prompts), max(1, round(len(prompts) / n_det)))[:n_det]) if n_det else set()
+        seqs = [llm.core.add_request(f"{tag}-{name}-{i}", p, SamplingParams(
+            max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
+            for i, (p, m) in enumerate(zip(prompts, out_lens))]
+        _sync()
         t0 = time.perf_counter()
         done: dict[str, float] = {}
-        while len(done) < len(seqs) and time.perf_counter() - t0 < a.compare_cap_s:
+        while len(done) < len(seqs) and time.perf_counter() - t0 < cap_s:
             llm.core.step()
             for s in seqs:
                 if s.is_finished and s.request_id not in done:
@@ -565,17 +606,85 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
         total = time.perf_counter() - t0
         lat = sorted(done.values())
         tokens = sum(len(s.tokens) for s in seqs)
-        out["modes"][name] = {"deterministic_share": share, "seconds": total, "output_tok_per_s": tokens / total,
-                              "finished": len(done), "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
-                              "stats": {k: v for k, v in vars(llm.core.stats()).items()
-                                        if isinstance(v, (int, float))}}
+        modes[name] = {"mode": mode, "deterministic_share": share, "deterministic_requests": len(det_ids),
+                       "seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
+                       "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs),
+                       "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
+                       "stats": {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}}
         del llm
         torch.cuda.empty_cache()
-    base = out["modes"].get("nondeterministic", {}).get("output_tok_per_s")
-    for entry in out["modes"].values():
+    base = modes.get("nondeterministic", {}).get("output_tok_per_s")
+    for entry in modes.values():
         if base and "output_tok_per_s" in entry:
             entry["ratio_to_nondeterministic"] = entry["output_tok_per_s"] / base
-    return out
+    return modes
+
+
+def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 on SmolLM2 (natural rollbacks): ShareGPT-like output lengths, varied prompts."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+
+    a = ctx.args
+
+    def make(mode: str, share: float) -> Any:
+        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode=mode, window=32,
+                                group=a.group, num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.compare_requests,
+                                max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+        llm = LLM(config)
+        _use_triton(llm)
+        if a.engine_graphs:
+            attach_decode_graphs(llm)
+        return llm
+
+    probe = make("nondeterministic", 0.0)
+    prompts = smollm2_prompts(probe.tokenizer, a.compare_requests)
+    del probe
+    out_lens = sharegpt_like_lengths(len(prompts), 7, 16, a.compare_tokens)
+    return {"model": "SmolLM2-135M-Instruct (GGUF)", "requests": len(prompts), "output_len_mean":
+            sum(out_lens) / len(out_lens), "window": 32, "group": a.group,
+            "modes": _run_modes(make, prompts, out_lens, a.compare_cap_s, "smol")}
+
+
+def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 on the synthetic 8B (peaked logits: no natural rollbacks), rollbacks injected at the rate
+    measured on SmolLM2 (rollbacks per committed token at W=32) when that section ran first."""
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.model_runner import ModelShape
+    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+
+    a = ctx.args
+    overrides = {"num_hidden_layers": a.layers} if a.layers else {}
+    model = build_synthetic_model(synthetic_hf_config(a.preset, **overrides), torch.bfloat16, ctx.device, seed=0,
+                                  attention_backend="triton", peaked=True)
+    shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
+                       model.arch.vocab_size, 4096)
+    fault_rate = ctx.extras.get("smollm2_rollbacks_per_token_w32", a.synthetic_fault_rate)
+    n = a.compare_requests
+    gen = torch.Generator().manual_seed(3)
+    in_lens = sharegpt_like_lengths(n, 11, 16, 512)
+    prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
+    out_lens = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
+    blocks = 2 + sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, out_lens))
+
+    def make(mode: str, share: float) -> Any:
+        config = _engine_config(EngineConfig, model="synthetic", device=ctx.device.type, dtype="bfloat16",
+                                mode=mode, window=32, group=a.group, num_kv_blocks=blocks, max_num_seqs=n,
+                                max_num_batched_tokens=8192, max_model_len=4096, fault_rate=fault_rate,
+                                fault_seed=5)
+        llm = LLM.from_parts(config, model, shape, eos_ids=set())
+        if a.engine_graphs:
+            attach_decode_graphs(llm)
+        return llm
+
+    res = {"model": f"synthetic {a.preset} (peaked logits)", "requests": n, "fault_rate": fault_rate,
+           "fault_rate_source": "SmolLM2 W=32" if "smollm2_rollbacks_per_token_w32" in ctx.extras else "default",
+           "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(out_lens) / n,
+           "modes": _run_modes(make, prompts, out_lens, a.compare_cap_s, "syn")}
+    del model
+    torch.cuda.empty_cache()
+    return res
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -589,72 +698,120 @@ SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lite_generate": bench_lite_generate,
     "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
     "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
+    "compare_modes_synthetic": bench_compare_modes_synthetic,
 }
 
 
 # ---- chart ---------------------------------------------------------------------------------------
 def chart(result: dict[str, Any], path: Path) -> None:
+    """One PNG: a panel per section that has data, titled with device, date and command."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    panels = [p for p in (_panel_decode, _panel_throughput, _panel_verify, _panel_rollback, _panel_modes)
+              if p(None, result)]
+    if not panels:
+        return
+    cols = min(2, len(panels))
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
     env = result.get("environment", {})
     fig.suptitle(f"Verbatim GPU bench — {env.get('device')} — {env.get('date_utc')}\n{env.get('command')}",
-                 fontsize=9)
-    ds = result.get("decode_step", {}).get("batches", {})
-    ax = axes[0][0]
-    if ds:
-        bs = list(ds)
-        x = range(len(bs))
-        ax.bar([i - 0.2 for i in x], [ds[b]["median_ms"] for b in bs], 0.4, label="measured (CUDA graph)")
-        ax.bar([i + 0.2 for i in x], [ds[b]["floor_ms"] for b in bs], 0.4, label="weights+KV / bandwidth")
-        ax.set_xticks(list(x), [f"batch {b}" for b in bs])
-        ax.set_ylabel("ms per decode step")
-        ax.legend(fontsize=8)
-    ax.set_title("synthetic Llama-3.1-8B decode step", fontsize=10)
-    ax = axes[0][1]
-    bars = {}
-    for key, label in (("lite_generate", "model+graphs (no scheduler)"), ("engine_generate", "engine core"),
-                       ("hf_generate", "HF transformers")):
-        sec = result.get(key, {})
-        val = sec.get("output_tok_per_s") or sec.get("static_batch", {}).get("output_tok_per_s")
-        if val:
-            bars[label] = val
-    lim = result.get("lite_generate", {}).get("bandwidth_limit_tok_per_s")
-    if lim:
-        bars["bandwidth limit"] = lim
-    ax.bar(list(bars), list(bars.values()), color=["C0", "C1", "C2", "C7"][: len(bars)])
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("64 concurrent, 128 in / 128 out (synthetic 8B)", fontsize=10)
-    ax.tick_params(axis="x", labelsize=7)
-    ax = axes[1][0]
-    vc = result.get("verify_cost", {}).get("shapes", {})
-    if vc:
-        ax.bar([i - 0.2 for i in range(len(vc))], [v["ms_per_token"] for v in vc.values()], 0.4, label="eager")
-        ax.bar([i + 0.2 for i in range(len(vc))], [v.get("graph_ms_per_token", 0) for v in vc.values()], 0.4,
-               label="CUDA graph")
-        ax.set_xticks(range(len(vc)), [f"G×W {k}" for k in vc])
-        ax.set_ylabel("ms per verified token")
-        ax.legend(fontsize=8)
-    ax.set_title("verify-pass cost (synthetic 8B)", fontsize=10)
-    ax = axes[1][1]
-    rb = result.get("smollm2_rollback", {}).get("windows", {})
-    cm = result.get("compare_modes", {}).get("modes", {})
-    if cm:
-        names = [k for k, v in cm.items() if "ratio_to_nondeterministic" in v]
-        ax.bar(names, [cm[k]["ratio_to_nondeterministic"] for k in names])
-        ax.set_ylabel("throughput / nondeterministic")
-        ax.set_title("SmolLM2: modes vs nondeterministic", fontsize=10)
-        ax.tick_params(axis="x", labelsize=7, rotation=20)
-    elif rb:
-        ax.bar([f"W={w}" for w in rb], [v["recompute_pct_of_output"] for v in rb.values()])
-        ax.set_ylabel("recomputed tokens, % of output")
-        ax.set_title("SmolLM2 recompute rate", fontsize=10)
+                 fontsize=8)
+    for ax, panel in zip(axes.flat, panels):
+        panel(ax, result)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _panel_decode(ax: Any, result: dict[str, Any]) -> bool:
+    ds = result.get("decode_step", {}).get("batches", {})
+    if ax is None or not ds:
+        return bool(ds)
+    bs = list(ds)
+    x = range(len(bs))
+    ax.bar([i - 0.2 for i in x], [ds[b]["median_ms"] for b in bs], 0.4, label="measured (CUDA graph)")
+    ax.bar([i + 0.2 for i in x], [ds[b]["floor_ms"] for b in bs], 0.4, label="weights+KV / bandwidth")
+    ax.set_xticks(list(x), [f"batch {b}" for b in bs])
+    ax.set_ylabel("ms per decode step")
+    ax.legend(fontsize=8)
+    ax.set_title("synthetic Llama-3.1-8B decode step", fontsize=10)
+    return True
+
+
+def _panel_throughput(ax: Any, result: dict[str, Any]) -> bool:
+    eng = result.get("engine_generate", {})
+    bars = {}
+    for label, val in (("model+graphs\n(no scheduler)", result.get("lite_generate", {}).get("output_tok_per_s")),
+                       ("engine\neager", eng.get("eager", {}).get("output_tok_per_s")),
+                       ("engine\n+decode graphs", eng.get("decode_graphs", {}).get("output_tok_per_s")),
+                       ("HF transformers\nstatic batch",
+                        result.get("hf_generate", {}).get("static_batch", {}).get("output_tok_per_s")),
+                       ("bandwidth\nlimit", result.get("lite_generate", {}).get("bandwidth_limit_tok_per_s"))):
+        if val:
+            bars[label] = val
+    if ax is None or not bars:
+        return bool(bars)
+    ax.bar(list(bars), list(bars.values()), color=[f"C{i}" for i in range(len(bars))])
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("64 concurrent, 128 in / 128 out (synthetic 8B)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=7)
+    return True
+
+
+def _panel_verify(ax: Any, result: dict[str, Any]) -> bool:
+    vc = result.get("verify_cost", {}).get("shapes", {})
+    if ax is None or not vc:
+        return bool(vc)
+    ax.bar([i - 0.2 for i in range(len(vc))], [v["ms_per_token"] for v in vc.values()], 0.4, label="eager")
+    ax.bar([i + 0.2 for i in range(len(vc))], [v.get("graph_ms_per_token", 0) for v in vc.values()], 0.4,
+           label="CUDA graph")
+    ax.set_xticks(range(len(vc)), [f"G×W {k}" for k in vc])
+    ax.set_ylabel("ms per verified token")
+    ax.legend(fontsize=8)
+    ax.set_title("verify-pass cost (synthetic 8B)", fontsize=10)
+    return True
+
+
+def _panel_rollback(ax: Any, result: dict[str, Any]) -> bool:
+    rb = {w: v for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items()
+          if "recompute_pct_of_output" in v}
+    if ax is None or not rb:
+        return bool(rb)
+    ax.bar([f"W={w}" for w in rb], [v["recompute_pct_of_output"] for v in rb.values()])
+    ax.axhline(7.0, color="k", ls="--", lw=0.8, label="target at W=32 (7 %)")
+    ax.set_ylabel("recomputed tokens, % of output")
+    ax.legend(fontsize=8)
+    ax.set_title("SmolLM2 recompute rate (DVR, greedy)", fontsize=10)
+    return True
+
+
+def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
+    series = {}
+    for sec, label in (("compare_modes", "SmolLM2 (natural rollbacks)"),
+                       ("compare_modes_synthetic", "synthetic 8B (injected rollbacks)")):
+        modes = result.get(sec, {}).get("modes", {})
+        vals = {k: v["ratio_to_nondeterministic"] for k, v in modes.items() if "ratio_to_nondeterministic" in v}
+        if vals:
+            series[label] = vals
+    if ax is None or not series:
+        return bool(series)
+    names = [n for n, _, _ in MODES]
+    width = 0.8 / len(series)
+    for k, (label, vals) in enumerate(series.items()):
+        ax.bar([i + k * width for i in range(len(names))], [vals.get(n, 0) for n in names], width, label=label)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_ylabel("output tok/s ÷ nondeterministic")
+    ax.set_title("determinism strategies (same requests per model)", fontsize=10)
+    ax.tick_params(axis="x", labelsize=7, rotation=20)
+    ax.legend(fontsize=7)
+    return True
 
 
 # ---- main ----------------------------------------------------------------------------------------
@@ -684,7 +841,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-requests", type=int, default=128)
     p.add_argument("--compare-tokens", type=int, default=128)
     p.add_argument("--compare-cap-s", type=float, default=60.0)
-    p.add_argument("--compare-modes", action="store_true", help="add the compare_modes section")
+    p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
+    p.add_argument("--synthetic-fault-rate", type=float, default=0.01,
+                   help="injected rollbacks per token on the synthetic 8B when SmolLM2 was not measured first")
+    p.add_argument("--no-engine-graphs", dest="engine_graphs", action="store_false",
+                   help="SmolLM2 engine runs without the decode-graph hook")
     return p.parse_args(argv)
 
 
@@ -695,8 +856,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench --device cuda: no CUDA device", file=sys.stderr)
         return 2
     names = list(ALL_SECTIONS) if args.sections == "all" else [s for s in args.sections.split(",") if s]
-    if args.compare_modes and "compare_modes" not in names:
-        names.append("compare_modes")
+    if args.compare_modes:
+        names += [n for n in ("compare_modes", "compare_modes_synthetic") if n not in names]
     unknown = [n for n in names if n not in SECTIONS]
     if unknown:
         raise SystemExit(f"unknown sections {unknown}; known: {list(SECTIONS)}")
@@ -740,10 +901,14 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"kv cache {mem['kv_cache_bytes'] / 2**30:.1f} GiB = {mem['kv_fraction_of_free']:.3f} of "
                      f"{mem['free_after_weights_bytes'] / 2**30:.1f} GiB free after weights; peak allocated "
                      f"{result['decode_step'].get('peak_allocated_bytes', 0) / 2**30:.1f} GiB")
-    for key in ("lite_generate", "engine_generate"):
-        v = result.get(key, {})
+    v = result.get("lite_generate", {})
+    if "output_tok_per_s" in v:
+        lines.append(f"lite_generate: {v['output_tok_per_s']:.0f} tok/s (limit {v['bandwidth_limit_tok_per_s']:.0f})")
+    for k in ("eager", "decode_graphs"):
+        v = result.get("engine_generate", {}).get(k, {})
         if "output_tok_per_s" in v:
-            lines.append(f"{key}: {v['output_tok_per_s']:.0f} tok/s")
+            lines.append(f"engine {k}: {v['output_tok_per_s']:.0f} tok/s ({v['committed_tokens']} tokens, "
+                         f"capped={v['capped']})")
     hf = result.get("hf_generate", {}).get("static_batch")
     if hf:
         lines.append(f"hf static batch: {hf['output_tok_per_s']:.0f} tok/s")
@@ -753,9 +918,12 @@ def summary(result: dict[str, Any]) -> str:
     for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items():
         lines.append(f"smollm2 W={w}: recompute {v['recompute_pct_of_output']:.2f}% of {v['committed_tokens']} "
                      f"tokens, {v['seconds']:.0f}s capped={v['capped']}")
-    for k, v in result.get("compare_modes", {}).get("modes", {}).items():
-        lines.append(f"mode {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio {v.get('ratio_to_nondeterministic')}"
-                     f" {v.get('error', '')}")
+    for sec in ("compare_modes", "compare_modes_synthetic"):
+        for k, v in result.get(sec, {}).get("modes", {}).items():
+            ratio = v.get("ratio_to_nondeterministic")
+            lines.append(f"{sec} {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio "
+                         f"{'-' if ratio is None else f'{ratio:.3f}'} p50 {v.get('p50_latency_s')} "
+                         f"p99 {v.get('p99_latency_s')} {v.get('error', '')[:120]}")
     errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
     if errors:
         lines.append(f"sections with errors: {errors}")

@@ -9,6 +9,11 @@ Weight scale: every projection ~ N(0, 1/fan_in) so activations keep unit scale t
 embeddings N(0, 1); the residual stream then grows only ~sqrt(num_layers), and the bf16 forward of the
 8B shape stays finite. The lm_head gets `logit_scale / sqrt(hidden)`, so logits ~ N(0, logit_scale²).
 The weights are a pure function of (shape, seed, device type): one generator, parameters in name order.
+
+`peaked=True` makes the logits far from flat: lm_head row v is the embedding of token v-1, so the input
+token's embedding (still dominant in the residual stream) votes for its successor by a margin far above
+bf16 noise. Fast path and verifier then agree (no natural rollbacks) and a benchmark sets the rollback
+rate with the engine's fault injection instead.
 """
 from __future__ import annotations
 
@@ -73,7 +78,7 @@ def parse_synthetic(name: str) -> str | None:
 
 
 @torch.no_grad()
-def fill_random_(model: LlamaForCausalLM, seed: int, logit_scale: float = 1.0) -> None:
+def fill_random_(model: LlamaForCausalLM, seed: int, logit_scale: float = 1.0, peaked: bool = False) -> None:
     """Overwrite every parameter in place with seeded random values drawn on its own device."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
     for name, param in model.named_parameters():  # named order: deterministic; tied weights once
@@ -85,8 +90,15 @@ def fill_random_(model: LlamaForCausalLM, seed: int, logit_scale: float = 1.0) -
             param.normal_(0.0, 1.0, generator=gen)
         elif name == "lm_head.weight":
             param.normal_(0.0, logit_scale / math.sqrt(param.shape[1]), generator=gen)
-        else:  # [out, in] projection
-            param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=gen)
+        else:  # [out, in] projection; peaked: residual branches scaled by 1/sqrt(2L), as GPT-2 initialises
+            branch = peaked and name.endswith(("o_proj.weight", "down_proj.weight"))
+            scale = 1.0 / math.sqrt(2 * model.arch.num_layers) if branch else 1.0
+            param.normal_(0.0, scale / math.sqrt(param.shape[1]), generator=gen)
+    if peaked:
+        if model.arch.tie_word_embeddings:
+            raise ValueError("peaked synthetic logits need an untied lm_head")
+        embed = model.model.embed_tokens.weight
+        model.lm_head.weight.copy_(torch.roll(embed, 1, dims=0) * (logit_scale / math.sqrt(embed.shape[1])))
 
 
 def build_synthetic_model(
@@ -96,11 +108,12 @@ def build_synthetic_model(
     seed: int = 0,
     attention_backend: str = "torch",
     logit_scale: float = 1.0,
+    peaked: bool = False,
 ) -> LlamaForCausalLM:
     """Build the architecture and fill it on `device` (no host copy of the weights is ever made)."""
     hf_config = synthetic_hf_config(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
     model = build_model(hf_config, dtype, device, attention_backend)
-    fill_random_(model, seed, logit_scale)
+    fill_random_(model, seed, logit_scale, peaked)
     return model
 
 
