@@ -42,7 +42,7 @@ def volume_chart(stats: ReportStats) -> bytes:
         ax.bar(days, non, bottom=det, color=NONDET_COLOR, label="non-deterministic")
         ax.set_ylabel("transcripts")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.legend(frameon=False, fontsize=8)
+        ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
     ax.set_title("Completions per day", fontsize=10)
     fig.tight_layout()
