@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from auditor.attestation import verify_replay_attestation
+from auditor.verify import verify_document
 from tests.auditor.conftest import REAL_ENGINE_OPTIONS, LiveServer, LoopThread, make_key, sqlite_settings, with_port
 from tests.auditor.test_replay_fake import alter_output_token, replay, until_status
 
@@ -97,6 +98,9 @@ async def test_transcripts_made_under_load_with_faults_replay_as_match(faulty_se
         served = await busy
         jwks = (await auditor.get("/.well-known/jwks.json")).json()
         later = [(await replay(auditor, tid)).json() for tid, _ in served]
+        exported = (await auditor.get(f"/v1/transcripts/{tids[1]}", params={"include_content": "true"})).json()
+    report = verify_document(exported, jwks)
+    assert report.ok and {"output_commitment", "window_chain", "logprob_digest"} <= {c.name for c in report.checks}
     assert [j["result"] for j in jobs] == ["match"] * len(tids), [(j["result"], j["details"], j["error"]) for j in jobs]
     assert [j["result"] for j in later] == ["match"] * len(served), [j["details"] for j in later]
     for job, statement in zip(jobs, statements):
