@@ -527,7 +527,6 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
     from engine.config import EngineConfig
-    from engine.llm import LLM
     from engine.sampling import SamplingParams
 
     a = ctx.args
@@ -536,10 +535,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
         config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode="dvr", window=w, group=a.group,
                                 num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.rollback_prompts,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
-        llm = LLM(config)
-        _use_triton(llm)
-        if a.engine_graphs:
-            attach_decode_graphs(llm)
+        llm = smol_llm(ctx, config)
         prompts = smollm2_prompts(llm.tokenizer, a.rollback_prompts)
         params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
                                 deterministic=True, seed=1)
@@ -556,6 +552,37 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
         del llm
         torch.cuda.empty_cache()
     return out
+
+
+def smol_llm(ctx: Ctx, config: Any) -> Any:
+    """An engine over SmolLM2 loaded once per run (weights shared by every config of the run).
+
+    batch_invariant goes through `LLM(config)`: the engine may build that model differently."""
+    from engine.config import Mode
+    from engine.llm import LLM
+
+    if config.mode == Mode.BATCH_INVARIANT:
+        llm = LLM(config)
+    else:
+        if "smol" not in ctx.extras:
+            from engine.loader import load_model_source
+            from engine.model_runner import ModelShape
+            from engine.models import arch_from_hf, build_model
+
+            cache = Path(config.cache_dir) if config.cache_dir else None
+            source = load_model_source(config.model, torch.bfloat16, cache)
+            model = build_model(source.hf_config, torch.bfloat16, ctx.device, "triton")
+            model.load_weights(source.weights())
+            arch = arch_from_hf(source.hf_config)
+            shape = ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
+                               source.info.max_model_len)
+            ctx.extras["smol"] = (source, model, shape)
+        source, model, shape = ctx.extras["smol"]
+        llm = LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
+    _use_triton(llm)
+    if ctx.args.engine_graphs:
+        attach_decode_graphs(llm)
+    return llm
 
 
 def _use_triton(llm: Any) -> None:
@@ -623,7 +650,6 @@ def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], 
 def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     """Issue 6 on SmolLM2 (natural rollbacks): ShareGPT-like output lengths, varied prompts."""
     from engine.config import EngineConfig
-    from engine.llm import LLM
 
     a = ctx.args
 
@@ -631,11 +657,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
         config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode=mode, window=32,
                                 group=a.group, num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.compare_requests,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
-        llm = LLM(config)
-        _use_triton(llm)
-        if a.engine_graphs:
-            attach_decode_graphs(llm)
-        return llm
+        return smol_llm(ctx, config)
 
     probe = make("nondeterministic", 0.0)
     prompts = smollm2_prompts(probe.tokenizer, a.compare_requests)
