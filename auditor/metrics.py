@@ -42,6 +42,10 @@ class _EngineCollector(Collector):
             value = getattr(stats, name, None)
             if value is not None:
                 yield CounterMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
+        passes, seconds = getattr(stats, "verify_passes", 0), getattr(stats, "verify_seconds", None)
+        if seconds is not None:
+            yield GaugeMetricFamily("verbatim_engine_verify_pass_mean_seconds", "Mean verify-pass latency",
+                                    value=float(seconds) / passes if passes else 0.0)
         for name, doc in _ENGINE_GAUGES.items():
             value = getattr(stats, name, None)
             if value is not None:

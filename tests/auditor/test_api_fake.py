@@ -104,7 +104,8 @@ async def test_models_health_jwks_metrics(fake_server: LiveServer) -> None:
         metrics = (await client.get("/metrics")).text
     assert models["data"][0]["id"] == MODEL
     for name in ("verbatim_http_requests_total", "verbatim_tokens_total", "verbatim_engine_rollbacks_total",
-                 "verbatim_engine_verify_seconds_total", "verbatim_engine_waiting", "verbatim_completions_total"):
+                 "verbatim_engine_verify_seconds_total", "verbatim_engine_waiting", "verbatim_completions_total",
+                 "verbatim_engine_verify_pass_mean_seconds", "verbatim_http_request_seconds_bucket"):
         assert name in metrics
 
 
@@ -418,3 +419,19 @@ async def test_junk_never_gives_a_500(tmp_path: Path) -> None:
                         assert response.json()["error"]["message"]
     finally:
         await asyncio.to_thread(server.stop)
+
+
+async def test_logs_carry_no_prompt_or_output_text(fake_server: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    secret_prompt = "zebra quartz fjord"
+    caplog.set_level("DEBUG")
+    async with fake_server.client(fake_server.keys["client"]) as client:
+        body = (await client.post("/v1/completions", json=completion(prompt=secret_prompt, max_tokens=30, ignore_eos=True))).json()
+        async with client.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": secret_prompt}], "stream": True}) as response:
+            await sse_events(response)
+    output = body["choices"][0]["text"]
+    records = [r for r in caplog.records if r.name.startswith("auditor")]
+    assert any(getattr(r, "transcript_id", None) == body["transcript"]["id"] for r in records)
+    for record in records:
+        text = record.getMessage() + " " + " ".join(str(v) for v in vars(record).values())
+        assert secret_prompt not in text and output not in text and fake_server.keys["client"] not in text
