@@ -371,7 +371,34 @@ def attach_decode_graphs(llm: Any) -> str:
 
     runner.decode = decode
     runner.graphs = graphs
-    return f"bench wrapper, {len(graphs.graphs)} graphs"
+    return f"bench wrapper, {len(graphs.graphs)} decode graphs" + attach_verify_graph(llm)
+
+
+def attach_verify_graph(llm: Any) -> str:
+    """Route the engine's G x W verify passes through one VerifyGraph, if it is bit-exact with eager.
+
+    Uses the runner's own token layout (`_layout`), so the graph sees exactly the eager pass's inputs."""
+    from engine.config import Mode, SCRATCH_BLOCK
+    from engine.cuda_graphs import VerifyGraph
+
+    runner, cfg = llm.core.runner, llm.config
+    if cfg.mode != Mode.DVR:
+        return ""
+    vg = VerifyGraph(runner.model, runner.kv, cfg.group, cfg.window, min(llm.core.max_model_len, 4096))
+    vg.stage_dummy(SCRATCH_BLOCK * cfg.block_size)
+    vg.capture()
+    if not vg.bit_exact:
+        return "; verify graph NOT bit-exact with eager: verify stays eager"
+    eager = runner.verify
+
+    def verify(rows: list[Any]) -> torch.Tensor:
+        ids, pos, slots, _starts, lens, tables = runner._layout(rows, (cfg.group, cfg.window))
+        if not vg.stage(ids, pos, slots, lens, tables):
+            return eager(rows)
+        return vg.replay().view(cfg.group, cfg.window, -1)[: len(rows)].clone()
+
+    runner.verify = verify
+    return "; verify graph (bit-exact with eager)"
 
 
 def _engine_config(cls: Any, **kw: Any) -> Any:

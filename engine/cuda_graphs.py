@@ -166,9 +166,19 @@ class VerifyGraph:
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
     def stage(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              seq_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> None:
-        """All G*W tokens given (dummies included, as the model runner lays them out)."""
+              seq_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> bool:
+        """All G*W tokens given (dummies included, as the model runner lays them out). False when a
+        block table is wider than the captured one (the caller then runs the pass eagerly)."""
+        if len(ids) != self.group * self.window or any(len(t) > self.max_blocks for t in tables):
+            return False
         self.static.stage(self.group, ids, positions, slots, seq_lens, tables, 0, 0)
+        return True
+
+    def stage_dummy(self, scratch_slot: int, zero_block: int = 0) -> None:
+        """Inputs for capture that touch no live sequence: every token writes the scratch slot."""
+        n = self.group * self.window
+        self.static.stage(self.group, [0] * n, [0] * n, [scratch_slot] * n, [self.window] * self.group,
+                          [[zero_block]] * self.group, scratch_slot, zero_block)
 
     @torch.inference_mode()
     def eager(self) -> torch.Tensor:
