@@ -245,8 +245,44 @@ def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
             del graph
         out[str(b)] = entry
     del fused
+    try:
+        out["profile_batch1"] = _profile_decode_kernels(ctx, model)
+    except Exception as exc:  # the profiler is a diagnostic: keep the GEMM figures if it fails
+        out["profile_batch1"] = {"error": repr(exc)}
     torch.cuda.empty_cache()
     return out
+
+
+def _profile_decode_kernels(ctx: Ctx, model: Any) -> dict[str, Any]:
+    """GPU kernels of one eager batch-1 decode step (count, and device time by kernel name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+
+    context = ctx.args.context
+    nb = -(-(context + 16) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + nb, BLOCK_SIZE)
+    rows = [RowSpec(list(range(2, 2 + nb)), context - 1, 1)]
+    meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, ctx.device)
+    ids = torch.tensor([11], device=ctx.device)
+    pos = positions_of(rows, ctx.device)
+    with torch.inference_mode():
+        for _ in range(2):
+            model.compute_logits(model(ids, pos, meta, kv))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.compute_logits(model(ids, pos, meta, kv))
+            torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by_name.setdefault(ev.name[:80], []).append(ev.device_time_total if hasattr(ev, "device_time_total")
+                                                         else ev.cuda_time_total)
+    total = sum(sum(v) for v in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv_: -sum(kv_[1]))[:15]
+    del kv
+    return {"kernels": sum(len(v) for v in by_name.values()), "device_us": total,
+            "top": [{"name": k, "count": len(v), "us": round(sum(v), 1)} for k, v in top]}
 
 
 def _eager_decode_ms(model: Any, kv: Any, tables: list[list[int]], ids: list[int], pos: list[int],
@@ -942,9 +978,13 @@ def summary(result: dict[str, Any]) -> str:
         lines.append(f"decode b={b}: {v['median_ms']:.2f} ms (floor {v['floor_ms']:.2f}, x{v['ratio_to_floor']:.2f}) "
                      f"eager {v['eager_median_ms']} allocs {v['device_allocations_during_timed_steps']}")
     for b, v in result.get("decode_breakdown", {}).items():
-        if isinstance(v, dict):
+        if isinstance(v, dict) and "weights_floor_ms" in v:
             lines.append(f"breakdown b={b}: gemms {v.get('gemms_unfused_ms', 0):.2f} ms, fused "
                          f"{v.get('gemms_fused_qkv_gateup_ms', 0):.2f} ms, weights floor {v['weights_floor_ms']:.2f} ms")
+    prof = result.get("decode_breakdown", {}).get("profile_batch1")
+    if isinstance(prof, dict) and "kernels" in prof:
+        lines.append(f"eager b=1 step: {prof['kernels']} kernels, {prof['device_us'] / 1e3:.2f} ms of kernel time; "
+                     + ", ".join(f"{t['name'][:40]} x{t['count']} {t['us'] / 1e3:.2f}ms" for t in prof["top"][:5]))
     mem = result.get("decode_step", {}).get("memory")
     if mem:
         lines.append(f"kv cache {mem['kv_cache_bytes'] / 2**30:.1f} GiB = {mem['kv_fraction_of_free']:.3f} of "
