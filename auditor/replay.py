@@ -33,7 +33,6 @@ in one transaction, so a crash leaves either a finished, logged job or a job tha
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import datetime as dt
 import json
@@ -462,7 +461,8 @@ class ReplayService:
         if not runnable:
             return
         try:
-            results = await engine.replay([c.record.replay_request(c.job_id) for c in runnable])  # type: ignore[union-attr]
+            requests = [c.record.replay_request(c.job_id) for c in runnable if c.record is not None]
+            results = await engine.replay(requests)
         except ValueError as exc:
             if len(runnable) == 1:
                 runnable[0].error = f"the engine refused the recorded windows: {exc}"
@@ -477,7 +477,8 @@ class ReplayService:
             return
         for c, result in zip(runnable, results):
             assert result.replay_id == c.job_id, (result.replay_id, c.job_id)
-            c.outcome = judge(c.record, result, c.differences or {})  # type: ignore[arg-type]
+            assert c.record is not None
+            c.outcome = judge(c.record, result, c.differences or {})
 
     async def _finish(self, claimed: _Claimed, engine: Any) -> None:
         signed = None
@@ -557,8 +558,3 @@ async def _append_leaf(session: AsyncSession, ledger: Any, signed: SignedAttesta
                                                            created_at=_now()))
     return index
 
-
-def attestation_statement(job: Mapping[str, Any]) -> dict[str, Any] | None:
-    """The (unverified) Statement inside a job's attestation, for display."""
-    envelope = job.get("attestation")
-    return json.loads(base64.b64decode(envelope["payload"])) if envelope else None

@@ -332,8 +332,8 @@ async def test_replay_on_postgresql_match_mismatch_and_requeue(pg_schema: tuple[
         async with live.client(live.keys["client"]) as client:
             tids = [await complete(client, seed=s) for s in (1, 2)]
             assert (await replay(client, tids[0])).json()["result"] == "match"
-            await _pg_execute(url, f"UPDATE {schema}.transcript_contents SET output_token_ids = "
-                              f"jsonb_set(output_token_ids::jsonb, '{{20}}', '0')::json WHERE transcript_id = '{tids[1]}'")
+            await _pg_execute(url, f"UPDATE {schema}.transcript_contents SET output_token_ids = jsonb_set("
+                              f"output_token_ids::jsonb, '{{20}}', '0')::json WHERE transcript_id = '{tids[1]}'")
             mismatch = (await replay(client, tids[1])).json()
             engine.hold = True
             held = (await replay(client, tids[0], wait=False)).json()
@@ -386,4 +386,5 @@ async def test_in_process_replay_as_the_cli_runs_it(server: LiveServer) -> None:
     assert text.startswith(f"replay {job['id']} of transcript {tid}: MATCH")
     assert f"appended to the log at index {job['log_index']}" in text
     with sqlite3.connect(db_path(server)) as db:
-        assert db.execute("SELECT key_id, tenant FROM access_log WHERE action = 'replay'").fetchall() == [("cli", "acme")]
+        rows = db.execute("SELECT key_id, tenant FROM access_log WHERE action = 'replay'").fetchall()
+    assert rows == [("cli", "acme")]
