@@ -144,7 +144,7 @@ async def test_cli_export_verify_and_purge(server: LiveServer, tmp_path: Path) -
     out = tmp_path / "cli-report.zip"
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([sys.executable, "-m", "auditor.reports", *args], capture_output=True, text=True,
+        return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True,
                               cwd=ROOT, timeout=300)
 
     done = await asyncio.to_thread(run, "export", "--tenant", "acme", "--include-content", "--data-dir", data_dir,
