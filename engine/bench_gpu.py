@@ -902,6 +902,7 @@ def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
 # ---- main ----------------------------------------------------------------------------------------
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m engine bench --device cuda", description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda"], help="accepted for `python -m engine bench`")
     p.add_argument("--sections", default=",".join(SYNTHETIC_SECTIONS),
                    help=f"comma list from {','.join(ALL_SECTIONS)} or 'all'")
     p.add_argument("--out", default="bench/results")
