@@ -150,3 +150,30 @@ def test_synthetic_8b_step_is_finite_and_sized() -> None:
     assert 0.1 < logits.std().item() < 100
     del model, kv
     torch.cuda.empty_cache()
+
+
+def test_verify_graph_is_bit_exact_with_eager() -> None:
+    """The fixed-shape G x W verify pass replayed from a CUDA graph gives the eager pass's bits."""
+    from engine.cuda_graphs import VerifyGraph
+    from engine.models.synthetic import build_synthetic_model
+
+    model = build_synthetic_model("tiny", torch.bfloat16, DEV, seed=4, attention_backend="triton")
+    g, w, ctx = 4, 16, 50
+    nb = -(-(ctx + w) // BS)
+    tables = [list(range(2 + r * nb, 2 + (r + 1) * nb)) for r in range(g)]
+    kv = model.allocate_kv_cache(2 + g * nb, BS)
+    pre = [RowSpec(t, 0, ctx) for t in tables]
+    with torch.inference_mode():
+        model(torch.randint(0, 512, (g * ctx,), device=DEV), positions_of(pre, DEV),
+              build_metadata(PassKind.PREFILL, pre, BS, DEV), kv)
+    rows = [RowSpec(t, ctx, w) for t in tables]
+    meta = build_metadata(PassKind.VERIFY, rows, BS, DEV)
+    ids = torch.randint(0, 512, (g * w,), device=DEV)
+    pos = positions_of(rows, DEV)
+    vg = VerifyGraph(model, kv, g, w, max_seq_len=nb * BS + 64)  # wider static table than the eager one
+    assert vg.stage(ids.tolist(), pos.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist(), tables)
+    vg.capture()
+    assert vg.bit_exact
+    with torch.inference_mode():
+        eager = model.compute_logits(model(ids, pos, meta, kv))
+    assert torch.equal(vg.replay(), eager)
