@@ -141,7 +141,10 @@ class CompletionService:
                 logprobs=request.logprobs, deterministic=request.deterministic)
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
-            raise engine_error(exc) from None
+            error = engine_error(exc)
+            if request.messages is not None and error.param == "prompt":
+                error.param = "messages"
+            raise error from None
         return Prepared(request, str(uuid7()), received_at, prompt_ids, prompt_text, params, tenant, api_key_id)
 
     def _tokenize(self, request: GenerationRequest) -> tuple[str, list[int]]:

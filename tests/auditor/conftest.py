@@ -239,3 +239,20 @@ async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> As
         yield server
     finally:
         await asyncio.to_thread(server.stop)
+
+
+@pytest.fixture
+async def real_pg_server(real_engine: tuple[LoopThread, Any], pg_schema: tuple[str, str],
+                         tmp_path: Path) -> AsyncIterator[LiveServer]:
+    """A fresh PostgreSQL schema and a server on the shared real engine."""
+    loop_thread, engine = real_engine
+    url, schema = pg_schema
+    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
+    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    server = LiveServer(settings, engine)
+    server.keys["client"] = await make_key(settings, "acme", "client")
+    await asyncio.to_thread(server.start_in, loop_thread)
+    try:
+        yield server
+    finally:
+        await asyncio.to_thread(server.stop)

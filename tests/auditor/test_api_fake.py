@@ -425,7 +425,8 @@ async def test_logs_carry_no_prompt_or_output_text(fake_server: LiveServer, capl
     secret_prompt = "zebra quartz fjord"
     caplog.set_level("DEBUG")
     async with fake_server.client(fake_server.keys["client"]) as client:
-        body = (await client.post("/v1/completions", json=completion(prompt=secret_prompt, max_tokens=30, ignore_eos=True))).json()
+        request = completion(prompt=secret_prompt, max_tokens=30, ignore_eos=True)
+        body = (await client.post("/v1/completions", json=request)).json()
         async with client.stream("POST", "/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": secret_prompt}], "stream": True}) as response:
             await sse_events(response)

@@ -169,4 +169,21 @@ async def test_disconnect_with_the_real_engine(real_server: LiveServer) -> None:
     assert doc["verification"]["ok"], doc["verification"]
 
 
+@pytest.mark.postgres
+async def test_openai_client_on_postgres(real_pg_server: LiveServer) -> None:
+    key = real_pg_server.keys["client"]
+    oai = client_for(real_pg_server, key)
+    model = (await oai.models.list()).data[0].id
+    results = await asyncio.gather(*(oai.completions.create(
+        model=model, prompt=f"{PROMPT} {i}", max_tokens=4, extra_body={"deterministic": i % 2 == 0})
+        for i in range(6)))
+    chat = await oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}],
+                                             max_tokens=4, seed=3)
+    ids = [r.model_extra["transcript"]["id"] for r in results] + [chat.model_extra["transcript"]["id"]]
+    docs = [await fetch(real_pg_server, key, i, include_content="true", verify="true") for i in ids]
+    assert all(d["verification"]["ok"] for d in docs), [d["verification"] for d in docs if not d["verification"]["ok"]]
+    assert sorted(d["transcript"]["sequence"] for d in docs) == list(range(1, 8))
+    assert sorted(d["inclusion_proof"]["log_index"] for d in docs) == list(range(7))
+
+
 pytestmark = pytest.mark.timeout(600)

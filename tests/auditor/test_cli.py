@@ -57,6 +57,8 @@ async def test_verify_command_accepts_served_document_and_rejects_tampering(fake
     good = run_cli("verify", str(tmp_path / "good.json"), "--jwks", str(tmp_path / "jwks.json"))
     assert good.returncode == 0, good.stdout + good.stderr
     assert "VALID" in good.stdout
+    local_keys = run_cli("verify", str(tmp_path / "good.json"), "--data-dir", str(fake_server.settings.data_dir))
+    assert local_keys.returncode == 0, local_keys.stdout + local_keys.stderr
     _tamper(fake_server.settings.resolved_database_url, transcript_id)
     async with fake_server.client(fake_server.keys["client"]) as client:
         tampered = (await client.get(f"/v1/transcripts/{transcript_id}")).json()
