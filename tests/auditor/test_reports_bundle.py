@@ -7,7 +7,9 @@ import csv
 import datetime as dt
 import io
 import json
+import re
 import zipfile
+import zlib
 from collections.abc import Callable
 
 import pytest
@@ -57,6 +59,22 @@ def lines_of(data: bytes) -> list[dict]:
     return [json.loads(x) for x in data.splitlines() if x.strip()]
 
 
+def pdf_text(pdf: bytes) -> bytes:
+    """The decoded content streams of a reportlab PDF (ASCII85 + Flate), images skipped."""
+    out = []
+    for m in re.finditer(rb"stream\r?\n(.*?)\s*endstream", pdf, re.S):
+        header, data = pdf[max(0, m.start() - 400):m.start()], m.group(1)
+        header = header[header.rfind(b"<<"):]
+        if b"/Subtype /Image" in header:
+            continue
+        if b"ASCII85Decode" in header:
+            data = base64.a85decode(data.strip().removesuffix(b"~>"))
+        if b"FlateDecode" in header:
+            data = zlib.decompress(data)
+        out.append(data)
+    return b"\n".join(out)
+
+
 def failures(data: bytes, **kw: object) -> list:
     result = verify_bundle(data, **kw)  # type: ignore[arg-type]
     assert not result.ok, result.render(verbose=True)
@@ -95,10 +113,9 @@ def test_summary_has_the_issue_columns_and_one_row_per_transcript(log_and_start:
 def test_content_absent_unless_requested(log_and_start: tuple[SampleLog, int]) -> None:
     files = unzip(make(log_and_start))
     assert all("content" not in line for line in lines_of(files["transcripts.jsonl"]))
-    for name, data in files.items():
-        if name != "report.pdf":
-            assert b"secret" not in data and b"output 1 text" not in data, name
-    assert b"excluded" in files["report.html"]
+    for name, data in {**files, "report.pdf (text)": pdf_text(files["report.pdf"])}.items():
+        assert b"secret" not in data and b"output 1 text" not in data, name
+    assert b"excluded" in files["report.html"] and b"Log integrity evidence" in pdf_text(files["report.pdf"])
 
 
 def test_content_included_when_requested_and_checked(log_and_start: tuple[SampleLog, int]) -> None:
@@ -109,6 +126,7 @@ def test_content_included_when_requested_and_checked(log_and_start: tuple[Sample
     files = unzip(data)
     assert all("content" in line for line in lines_of(files["transcripts.jsonl"]))
     assert b"&lt;b&gt;secret&lt;/b&gt;" in files["report.html"]  # escaped, not injected
+    assert b"output 1 text" in pdf_text(files["report.pdf"])
 
 
 def test_altered_transcript_line_names_file_line_and_transcript(log_and_start: tuple[SampleLog, int]) -> None:
