@@ -7,7 +7,6 @@ seed used, drawn by the server when a deterministic request had none) and ``tran
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from auditor.service import Prepared, Recorded

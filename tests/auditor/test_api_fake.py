@@ -8,7 +8,6 @@ import base64
 import hashlib
 import json
 import sqlite3
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 
 from auditor import repository
 from tests.auditor import independent
-from tests.auditor.conftest import LiveServer, make_key, sqlite_settings, start_server
+from tests.auditor.conftest import LiveServer, sqlite_settings, start_server
 from tests.auditor.fake_engine import FakeAsyncEngine
 
 MODEL = "fake-model"
