@@ -1,6 +1,6 @@
 """Our paged forward vs transformers' own model: prefill, decode steps and a verify pass through the cache.
 
-Tolerances (max |our logit - transformers logit|): 1e-4 for the tiny float32 models, 2e-3 for SmolLM2
+Tolerances (max |our logit - transformers logit|): 1e-4 for the tiny float32 models, 5e-4 for SmolLM2
 float32 (30 layers, logits of magnitude ~20). In bfloat16 our error against the float32 reference
 must stay within 2x (+0.01) of transformers' own bfloat16 error. Different reduction orders make bit
 equality impossible; the bound is stated.
@@ -16,7 +16,7 @@ from engine.models import arch_from_hf, build_model
 
 BLOCK = 16
 TOL_TINY_FP32 = 1e-4
-TOL_SMOLLM2_FP32 = 2e-3
+TOL_SMOLLM2_FP32 = 5e-4
 BF16_ERROR_RATIO = 2.0
 
 _SMALL = dict(vocab_size=160, hidden_size=64, intermediate_size=112, num_hidden_layers=2,
