@@ -91,6 +91,7 @@ class ChunkWriter:
         self.model = model
         self.fingerprint = fingerprint
         self.sent_text = ""
+        self.holdback = max((len(stop) - 1 for stop in prepared.params.stop or []), default=0)
 
     def _chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": response_id(self.prepared),
@@ -106,12 +107,13 @@ class ChunkWriter:
                              "finish_reason": None, "logprobs": None}])
 
     def delta(self, output: Any) -> dict[str, Any] | None:
-        """New committed text since the last chunk; withheld while the text ends in a partial
-        character (U+FFFD) or was rewritten by detokenization, unless the output is final."""
+        """New committed text since the last chunk. While generating, the tail that could still turn
+        out to be the start of a stop string (whose text the engine then cuts) or a partial character
+        (U+FFFD) is held back; the final output releases whatever is left."""
         text: str = output.text
-        if not text.startswith(self.sent_text) or (text.endswith("\ufffd") and not output.finished):
-            if not output.finished:
-                return None
+        if not output.finished:
+            text = text[:max(0, len(text) - self.holdback)]
+            text = text[:-1] if text.endswith("\ufffd") else text
         piece = text[len(self.sent_text):] if text.startswith(self.sent_text) else ""
         finish = output.finish_reason if output.finished else None
         if not piece and finish is None:

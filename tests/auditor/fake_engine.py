@@ -174,6 +174,10 @@ class FakeAsyncEngine:
         if len(out.token_ids) >= params.max_tokens and not out.finished:
             out.finished, out.finish_reason = True, "length"
         out.text = self.tokenizer.decode(out.token_ids)
+        hits = [out.text.find(stop) for stop in params.stop or [] if stop in out.text]
+        if hits:
+            out.text = out.text[:min(hits)]
+            out.finished, out.finish_reason = True, "stop"
 
     def last_output(self, request_id: str) -> RequestOutput | None:
         return self._last.get(request_id)

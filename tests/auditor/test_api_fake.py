@@ -435,3 +435,17 @@ async def test_logs_carry_no_prompt_or_output_text(fake_server: LiveServer, capl
     for record in records:
         text = record.getMessage() + " " + " ".join(str(v) for v in vars(record).values())
         assert secret_prompt not in text and output not in text and fake_server.keys["client"] not in text
+
+
+async def test_streamed_text_never_shows_a_stop_string(fake_server: LiveServer) -> None:
+    request = completion(max_tokens=60, ignore_eos=True, seed=99)
+    async with fake_server.client(fake_server.keys["client"]) as client:
+        full = (await client.post("/v1/completions", json=request)).json()["choices"][0]["text"]
+        stop = full[31:34]  # commits end at 1, 9, .., 33: the stop straddles a chunk boundary
+        expected = full[:full.find(stop)]
+        async with client.stream("POST", "/v1/completions", json={**request, "stop": [stop], "stream": True}) as response:
+            events = await sse_events(response)
+    chunks = [json.loads(e) for e in events[:-1]]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert streamed == expected and stop not in streamed
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
