@@ -14,6 +14,7 @@ def default_route_handlers() -> list[Any]:
     from auditor.routes.replay import ReplayController
     from auditor.routes.reports import ReportsController
     from auditor.routes.transcripts import TranscriptsController
+    from auditor.ui import UI_ROUTES
 
     return [*ROUTES, CompletionsController, TranscriptsController, LogController, KeysController, ReplayController,
-            ReportsController]
+            ReportsController, *UI_ROUTES]
