@@ -33,6 +33,8 @@ class TileGroup:
     q_pos: torch.Tensor  # Long[R, n]: absolute query positions
     key_masks: tuple[torch.Tensor | None, ...]  # per tile, Bool[R, 1, 1, n, tile]: key pos > query pos;
     # None for a tile every query sees whole (masking it would be an exact no-op)
+    stale_keys: tuple[torch.Tensor | None, ...]  # per tile, Bool[R, 1, tile, 1]: key pos >= the row's seq_len;
+    # their V is zeroed so a stale NaN never meets p = 0 (0 * NaN); None when no key is stale
     block_ids: torch.Tensor  # Long[R, num_tiles * blocks_per_tile]
     num_tiles: int
 
@@ -108,7 +110,8 @@ class TorchAttention:
         for g in plan.tiled:
             n_tok = g.num_rows * g.queries_per_row
             qg = q[g.token_start : g.token_start + n_tok].view(g.num_rows, g.queries_per_row, *q.shape[1:])
-            og = tiled_attention(qg, g.key_masks, g.block_ids, plan.blocks_per_tile, k_cache, v_cache, scale)
+            og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile, k_cache, v_cache,
+                                 scale)
             out[g.token_start : g.token_start + n_tok] = og.reshape(n_tok, *q.shape[1:]).to(q.dtype)
         return out
 
@@ -131,6 +134,7 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 def tiled_attention(
     q: torch.Tensor,  # [R, n, Hq, D]
     key_masks: tuple[torch.Tensor | None, ...],  # per tile, Bool[R, 1, 1, n, tile] or None
+    stale_keys: tuple[torch.Tensor | None, ...],  # per tile, Bool[R, 1, tile, 1] or None
     block_ids: torch.Tensor,  # Long[R, num_tiles * bpt]
     bpt: int,
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
@@ -146,10 +150,12 @@ def tiled_attention(
     m = torch.full((r, hkv, group * n), -math.inf, dtype=torch.float32, device=q.device)
     denom = torch.zeros((r, hkv, group * n), dtype=torch.float32, device=q.device)
     acc = torch.zeros((r, hkv, group * n, d), dtype=torch.float32, device=q.device)
-    for t, masked in enumerate(key_masks):
+    for t, (masked, stale) in enumerate(zip(key_masks, stale_keys, strict=True)):
         blk = block_ids[:, t * bpt : (t + 1) * bpt]  # [R, bpt]
         kt = gather_blocks(k_cache, blk).view(r, tile, hkv, d).float().permute(0, 2, 3, 1)  # [R, Hkv, D, tile]
         vt = gather_blocks(v_cache, blk).view(r, tile, hkv, d).float().permute(0, 2, 1, 3)  # [R, Hkv, tile, D]
+        if stale is not None:
+            vt.masked_fill_(stale, 0.0)
         s = torch.matmul(qf, kt) * scale  # [R, Hkv, group * n, tile]
         if masked is not None:
             s.view(r, hkv, group, n, tile).masked_fill_(masked, -math.inf)
@@ -204,7 +210,12 @@ def _tile_group(
         for t in range(num_tiles)
     )
     block_ids = _padded_blocks(meta.block_tables, rows, num_tiles * bpt)
-    return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, block_ids, num_tiles)
+    shortest = min(seq_lens[r] for r in rows)
+    stale = tuple(
+        None if (t + 1) * tile <= shortest else keys[t].view(1, 1, tile, 1) >= last.view(-1, 1, 1, 1)
+        for t in range(num_tiles)
+    )
+    return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, stale, block_ids, num_tiles)
 
 
 def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> DecodeBatch:
@@ -227,6 +238,9 @@ def _decode_attention(
     length = nb * k_cache.shape[1]
     keys = gather_blocks(k_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
     values = gather_blocks(v_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)
+    stale = ~batch.key_mask.view(r, 1, length, 1)  # zeroed: a stale NaN must not reach 0 * NaN
+    keys.masked_fill_(stale, 0.0)
+    values.masked_fill_(stale, 0.0)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=batch.key_mask, scale=scale, enable_gqa=True
     )  # [R, Hq, 1, D]
