@@ -83,8 +83,9 @@ async def replay(client: httpx.AsyncClient, transcript_id: str, wait: bool = Tru
     return await client.post(f"/v1/transcripts/{transcript_id}/replay", params={"wait": "true"} if wait else {})
 
 
-async def until_status(client: httpx.AsyncClient, replay_id: str, statuses: tuple[str, ...]) -> dict[str, Any]:
-    deadline = time.monotonic() + 30
+async def until_status(client: httpx.AsyncClient, replay_id: str, statuses: tuple[str, ...],
+                       timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         job = (await client.get(f"/v1/replays/{replay_id}")).json()
         if job["status"] in statuses:

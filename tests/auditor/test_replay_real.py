@@ -94,7 +94,7 @@ async def test_transcripts_made_under_load_with_faults_replay_as_match(faulty_se
     async with faulty_server.client(faulty_server.keys["auditor"]) as auditor:
         queued = [(await replay(auditor, t, wait=False)).json() for t in tids]
         busy = asyncio.gather(*[complete(oai, p, i + 10) for i, p in enumerate(PROMPTS[:4])])
-        jobs = [await until_status(auditor, j["id"], ("done", "failed")) for j in queued]
+        jobs = [await until_status(auditor, j["id"], ("done", "failed"), timeout=600) for j in queued]
         served = await busy
         jwks = (await auditor.get("/.well-known/jwks.json")).json()
         later = [(await replay(auditor, tid)).json() for tid, _ in served]
@@ -171,3 +171,22 @@ def tiny_llama_dir(folder: Path, tokenizer: Any) -> Path:
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+async def test_replays_interrupted_by_shutdown_are_rerun_after_restart(
+        real_engine: tuple[LoopThread, Any], faulty_engine: Any, faulty_server: LiveServer) -> None:
+    oai = openai_client(faulty_server)
+    tids = [tid for tid, _ in await asyncio.gather(*[complete(oai, p, i) for i, p in enumerate(PROMPTS[:3])])]
+    async with faulty_server.client(faulty_server.keys["auditor"]) as auditor:
+        jobs = [(await replay(auditor, t, wait=False)).json() for t in tids + tids]
+    await asyncio.to_thread(faulty_server.stop)
+    with sqlite3.connect(faulty_server.settings.data_dir / "verbatim.db") as db:
+        left = db.execute("SELECT count(*) FROM replay_jobs WHERE status IN ('queued', 'running')").fetchone()[0]
+    assert left > 0, "every replay finished before the shutdown: nothing to rerun"
+    again = await serve(with_port(faulty_server.settings), faulty_engine, real_engine[0], faulty_server.keys)
+    try:
+        async with again.client(again.keys["auditor"]) as auditor:
+            done = [await until_status(auditor, j["id"], ("done", "failed"), timeout=600) for j in jobs]
+    finally:
+        await asyncio.to_thread(again.stop)
+    assert [j["result"] for j in done] == ["match"] * len(jobs), [(j["result"], j["error"]) for j in done]
