@@ -38,8 +38,11 @@ async def test_openai_client_completions_and_chat(real_server: LiveServer) -> No
     model = (await oai.models.list()).data[0].id
 
     raw = await oai.completions.with_raw_response.create(
-        model=model, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"deterministic": True})
+        model=model, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, extra_body={"deterministic": True})
     completion = raw.parse()
+    logprobs = completion.choices[0].logprobs
+    assert logprobs is not None and len(logprobs.tokens) == completion.usage.completion_tokens
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs) and all(lp <= 0 for lp in logprobs.token_logprobs)
     extra = completion.model_extra or {}
     assert raw.headers["verbatim-transcript-id"] == extra["transcript"]["id"]
     assert extra["transcript"]["replayable"] is True and isinstance(extra["seed"], int)
