@@ -26,7 +26,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``replay`` subcommand, registered in ``auditor.cli.SUBCOMMANDS``."""
     from auditor.cli import _db_flags
 
-    parser.add_argument("transcript_id")
+    parser.add_argument("transcript_id", help="id of a deterministic transcript (see GET /v1/transcripts)")
     parser.add_argument("--url", help="replay on a running server at this base URL (env VERBATIM_URL)")
     parser.add_argument("--api-key", help="API key for --url (env VERBATIM_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print the replay job as JSON")

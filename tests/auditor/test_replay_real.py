@@ -78,6 +78,20 @@ async def complete(oai: openai.AsyncOpenAI, prompt: str, index: int, determinist
     return (completion.model_extra or {})["transcript"]["id"], completion
 
 
+async def chat(oai: openai.AsyncOpenAI, stream: bool) -> str:
+    """A deterministic chat completion (streamed or not); returns its transcript id."""
+    model = (await oai.models.list()).data[0].id
+    messages = [{"role": "user", "content": "Name two rivers."}]
+    if not stream:
+        reply = await oai.chat.completions.create(model=model, messages=messages, max_tokens=12, seed=3,
+                                                  temperature=0.6, extra_body={"deterministic": True})
+        return (reply.model_extra or {})["transcript"]["id"]
+    chunks = await oai.chat.completions.create(model=model, messages=messages, max_tokens=12, stream=True,
+                                               extra_body={"deterministic": True})
+    ids = [c.model_extra["transcript"]["id"] async for c in chunks if (c.model_extra or {}).get("transcript")]
+    return ids[0]
+
+
 async def statement_of(server: LiveServer, transcript_id: str) -> dict[str, Any]:
     async with server.client(server.keys["client"]) as client:
         doc = (await client.get(f"/v1/transcripts/{transcript_id}")).json()
@@ -87,8 +101,9 @@ async def statement_of(server: LiveServer, transcript_id: str) -> dict[str, Any]
 async def test_transcripts_made_under_load_with_faults_replay_as_match(faulty_server: LiveServer) -> None:
     oai = openai_client(faulty_server)
     made = await asyncio.gather(*[complete(oai, p, i) for i, p in enumerate(PROMPTS)],
-                                *[complete(oai, p, i, deterministic=False) for i, p in enumerate(PROMPTS[:3])])
-    tids = [tid for tid, _ in made[:len(PROMPTS)]]
+                                *[complete(oai, p, i, deterministic=False) for i, p in enumerate(PROMPTS[:3])],
+                                chat(oai, stream=False), chat(oai, stream=True))
+    tids = [tid for tid, _ in made[:len(PROMPTS)]] + list(made[-2:])
     statements = [await statement_of(faulty_server, t) for t in tids]
     assert sum(s["predicate"]["dvr"]["rollbacks"] for s in statements) > 0, "fault injection caused no rollback"
     async with faulty_server.client(faulty_server.keys["auditor"]) as auditor:
