@@ -95,7 +95,7 @@ def engine_row(label: str, llm: LLM, outs: list[RequestOutput], seconds: float) 
         "verify_rows": sum(o.verify_passes for o in det),
         "rollback_rate": round(sum(o.rollbacks for o in det) / max(1, sum(o.verify_passes for o in det)), 4),
         "recompute_rate": round(sum(o.recomputed_tokens for o in det) / max(1, det_tokens), 4),
-        "kv_cache_mb": round(llm.core.runner.kv.nbytes / 2**20, 1),
+        "preemptions": st.preemptions, "kv_cache_mb": round(llm.core.runner.kv.nbytes / 2**20, 1),
     }
 
 
