@@ -73,7 +73,7 @@ async def _sse(service: CompletionService, prepared: Prepared, fingerprint: str)
     If the client goes away (the generator is cancelled or closed) before generation ends, the
     request is aborted and its committed tokens are recorded as ``client_disconnected``.
     """
-    writer = ChunkWriter(prepared, service.model_name, fingerprint)
+    writer = ChunkWriter(prepared, service.model_name, fingerprint, service.engine.tokenizer)
     last = None
     generating = True
     try:

@@ -24,32 +24,36 @@ def _usage(prepared: Prepared, output: Any) -> dict[str, int]:
             "total_tokens": len(prepared.prompt_ids) + completion}
 
 
-def _completion_logprobs(output: Any, tokenizer: Any, prepared: Prepared) -> dict[str, Any] | None:
-    if prepared.params.logprobs is None:
-        return None
-    tokens = [tokenizer.decode([t]) for t in output.token_ids]
-    tops = output.top_logprobs or [{} for _ in tokens]
+def _span(output: Any, start: int, end: int | None = None) -> tuple[list[int], list[float], list[dict[int, float]]]:
+    """Token ids, logprobs and top logprobs of output tokens ``start:end``."""
+    ids = list(output.token_ids[start:end])
+    tops = list(output.top_logprobs[start:end]) if output.top_logprobs else []
+    return ids, list(output.token_logprobs[start:end]), tops + [{}] * (len(ids) - len(tops))
+
+
+def completion_logprobs(output: Any, tokenizer: Any, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    ids, logprobs, tops = _span(output, start, end)
+    tokens = [tokenizer.decode([t]) for t in ids]
     return {
         "tokens": tokens,
-        "token_logprobs": list(output.token_logprobs),
+        "token_logprobs": logprobs,
         "top_logprobs": [{tokenizer.decode([t]): lp for t, lp in top.items()} for top in tops],
         "text_offset": _offsets(tokens),
     }
 
 
-def _chat_logprobs(output: Any, tokenizer: Any, prepared: Prepared) -> dict[str, Any] | None:
-    if prepared.params.logprobs is None:
-        return None
-    tops = output.top_logprobs or [{} for _ in output.token_ids]
+def chat_logprobs(output: Any, tokenizer: Any, start: int = 0, end: int | None = None) -> dict[str, Any]:
+    ids, logprobs, tops = _span(output, start, end)
     content = []
-    for token_id, logprob, top in zip(output.token_ids, output.token_logprobs, tops):
+    for token_id, logprob, top in zip(ids, logprobs, tops):
         token = tokenizer.decode([token_id])
-        content.append({
-            "token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
-            "top_logprobs": [{"token": tokenizer.decode([t]), "logprob": lp, "bytes": list(tokenizer.decode([t]).encode())}
-                             for t, lp in top.items()],
-        })
+        content.append({"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8")),
+                        "top_logprobs": [_chat_top(tokenizer.decode([t]), lp) for t, lp in top.items()]})
     return {"content": content}
+
+
+def _chat_top(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
 
 
 def _offsets(tokens: list[str]) -> list[int]:
@@ -63,12 +67,14 @@ def _offsets(tokens: list[str]) -> list[int]:
 def final_body(prepared: Prepared, output: Any, recorded: Recorded, model: str, fingerprint: str,
                tokenizer: Any) -> dict[str, Any]:
     chat = prepared.request.api is Api.CHAT_COMPLETIONS
+    wants = prepared.params.logprobs is not None
     if chat:
         choice = {"index": 0, "message": {"role": "assistant", "content": output.text},
-                  "finish_reason": output.finish_reason, "logprobs": _chat_logprobs(output, tokenizer, prepared)}
+                  "finish_reason": output.finish_reason,
+                  "logprobs": chat_logprobs(output, tokenizer) if wants else None}
     else:
         choice = {"index": 0, "text": output.text, "finish_reason": output.finish_reason,
-                  "logprobs": _completion_logprobs(output, tokenizer, prepared)}
+                  "logprobs": completion_logprobs(output, tokenizer) if wants else None}
     return {
         "id": response_id(prepared),
         "object": "chat.completion" if chat else "text_completion",
@@ -85,8 +91,10 @@ def final_body(prepared: Prepared, output: Any, recorded: Recorded, model: str, 
 class ChunkWriter:
     """Builds the SSE events of one streamed response."""
 
-    def __init__(self, prepared: Prepared, model: str, fingerprint: str) -> None:
+    def __init__(self, prepared: Prepared, model: str, fingerprint: str, tokenizer: Any) -> None:
         self.prepared = prepared
+        self.tokenizer = tokenizer
+        self.sent_tokens = 0
         self.chat = prepared.request.api is Api.CHAT_COMPLETIONS
         self.model = model
         self.fingerprint = fingerprint
@@ -119,12 +127,22 @@ class ChunkWriter:
         if not piece and finish is None:
             return None
         self.sent_text += piece
+        logprobs = self._logprobs(output)
         if self.chat:
             choice = {"index": 0, "delta": {"content": piece} if piece else {}, "finish_reason": finish,
-                      "logprobs": None}
+                      "logprobs": logprobs}
         else:
-            choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": piece, "finish_reason": finish, "logprobs": logprobs}
         return self._chunk([choice])
+
+    def _logprobs(self, output: Any) -> dict[str, Any] | None:
+        """Logprobs of the tokens committed since the last chunk (token-aligned; the text piece may
+        lag by a held-back stop-string prefix)."""
+        if self.prepared.params.logprobs is None:
+            return None
+        start, self.sent_tokens = self.sent_tokens, len(output.token_ids)
+        span = chat_logprobs if self.chat else completion_logprobs
+        return span(output, self.tokenizer, start, self.sent_tokens)
 
     def last(self, output: Any, recorded: Recorded) -> dict[str, Any]:
         """After the finish chunk: no choices, the usage, the seed and the transcript object."""

@@ -449,3 +449,22 @@ async def test_streamed_text_never_shows_a_stop_string(fake_server: LiveServer) 
     streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
     assert streamed == expected and stop not in streamed
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+
+
+async def test_logprobs_plain_and_streamed(fake_server: LiveServer) -> None:
+    request = completion(max_tokens=20, ignore_eos=True, logprobs=1, seed=5)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 20, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1, "seed": 5}
+    async with fake_server.client(fake_server.keys["client"]) as client:
+        plain = (await client.post("/v1/completions", json=request)).json()["choices"][0]["logprobs"]
+        async with client.stream("POST", "/v1/completions", json={**request, "stream": True}) as response:
+            streamed = [json.loads(e) for e in (await sse_events(response))[:-1]]
+        async with client.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as response:
+            chat_streamed = [json.loads(e) for e in (await sse_events(response))[:-1]]
+        chat_plain = (await client.post("/v1/chat/completions", json=chat)).json()["choices"][0]["logprobs"]
+    assert len(plain["tokens"]) == 20 and len(plain["token_logprobs"]) == 20
+    pieces = [c["choices"][0]["logprobs"] for c in streamed if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((p["token_logprobs"] for p in pieces), []) == plain["token_logprobs"]
+    chat_pieces = [c["choices"][0]["logprobs"]["content"] for c in chat_streamed
+                   if c["choices"] and c["choices"][0]["logprobs"]]
+    assert [t["logprob"] for t in sum(chat_pieces, [])] == [t["logprob"] for t in chat_plain["content"]]
