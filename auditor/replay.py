@@ -26,8 +26,8 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
   re-executed with another shape (``executed: false``).
 
 One replay worker per database: at start-up it takes back every ``running`` job, so run one server
-process per database (as ``make serve`` does). The job row and its log leaf are written under the ledger's append lock
-in one transaction, so a crash leaves either a finished, logged job or a job that is rerun.
+process per database (as ``make serve`` does). The job row and its log leaf are written in one
+``Ledger.transaction()``, so a crash leaves either a finished, logged job or a job that is rerun.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from sqlalchemy import func, select, update
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from auditor import canonical as cn
-from auditor import merkle, repository
+from auditor import repository
 from auditor.attestation import ReplayAttestationInputs, ReplayVerdict, SignedAttestation, sign_replay_attestation
 from auditor.auth import Principal
-from auditor.db.models import AccessAction, LeafKind, LogCheckpoint, LogLeaf, ReplayJob, ReplayStatus, Role
+from auditor.db.models import AccessAction, LeafKind, ReplayJob, ReplayStatus, Role
 from auditor.errors import ApiError, not_found
 from auditor.queries import record_access
 from auditor.repository import utc
@@ -499,24 +499,18 @@ class ReplayService:
             waiters.set()
 
     async def _commit(self, claimed: _Claimed, signed: SignedAttestation | None) -> None:
-        """Job completion and its attestation's log leaf + checkpoint in ONE transaction, under the
-        ledger's append lock (the same lock and tree transcripts are appended with)."""
-        ledger = self.services.ledger
-        async with ledger._lock:  # noqa: SLF001 - the ledger has no public hook for non-transcript leaves yet
-            try:
-                async with self.services.sessionmaker() as session, session.begin():
-                    job = await session.get(ReplayJob, claimed.job_id)
-                    assert job is not None, claimed.job_id
-                    if signed is not None:
-                        job.log_index = await _append_leaf(session, ledger, signed, job.id)
-                        job.attestation = cn.canonical_json(signed.envelope)
-                    job.result = claimed.outcome.to_json() if claimed.outcome else None
-                    job.status = ReplayStatus.DONE.value if signed is not None else ReplayStatus.FAILED.value
-                    job.error = claimed.error
-                    job.finished_at = _now()
-            except BaseException:
-                ledger._tree = None  # noqa: SLF001 - as Ledger.append does: the rebuilt tree is the truth
-                raise
+        """Job completion and its attestation's log leaf + checkpoint in ONE ledger transaction."""
+        async with self.services.ledger.transaction() as session:
+            job = await session.get(ReplayJob, claimed.job_id)
+            assert job is not None, claimed.job_id
+            if signed is not None:
+                job.log_index = await self.services.ledger.append_leaf(
+                    session, signed.leaf_data, LeafKind.REPLAY_ATTESTATION, replay_job_id=job.id)
+                job.attestation = cn.canonical_json(signed.envelope)
+            job.result = claimed.outcome.to_json() if claimed.outcome else None
+            job.status = ReplayStatus.DONE.value if signed is not None else ReplayStatus.FAILED.value
+            job.error = claimed.error
+            job.finished_at = _now()
 
     # --- CLI ----------------------------------------------------------------------------------------
 
@@ -540,21 +534,4 @@ async def _active_jobs(session: AsyncSession, tenant: str) -> int:
     query = select(func.count()).select_from(ReplayJob).where(ReplayJob.tenant == tenant,
                                                                ReplayJob.status.in_(_ACTIVE))
     return int((await session.scalar(query)) or 0)
-
-
-async def _append_leaf(session: AsyncSession, ledger: Any, signed: SignedAttestation, job_id: str) -> int:
-    """Append the attestation's envelope digest to the log and sign the new checkpoint; returns its index."""
-    await repository.lock_log(session)
-    tree = await ledger._synced_tree(session)  # noqa: SLF001
-    index = tree.size
-    leaf_hash = merkle.leaf_hash(signed.leaf_data)
-    await repository.add_leaf(session, LogLeaf(index=index, leaf_hash=leaf_hash, entry=signed.leaf_data,
-                                               kind=LeafKind.REPLAY_ATTESTATION.value, transcript_id=None,
-                                               replay_job_id=job_id, created_at=_now()))
-    tree.append_leaf_hash(leaf_hash)
-    checkpoint = ledger._sign(tree.size, tree.root())  # noqa: SLF001
-    await repository.add_checkpoint(session, LogCheckpoint(tree_size=checkpoint.tree_size,
-                                                           root_hash=checkpoint.root_hash, note=checkpoint.note,
-                                                           created_at=_now()))
-    return index
 
