@@ -7,6 +7,7 @@ override the environment. Nothing reads the environment after ``Settings.from_en
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -39,7 +40,7 @@ class Settings:
     bootstrap_admin: bool = True
     """On first start with no admin key, create one and print it once."""
     engine_options: Mapping[str, Any] = field(default_factory=dict)
-    """Extra ``EngineConfig`` keyword arguments (W, G, mode, ...)."""
+    """Extra ``EngineConfig`` keyword arguments, e.g. ``VERBATIM_ENGINE_OPTIONS='{"window": 16, "group": 8}'``."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -68,9 +69,11 @@ class Settings:
         """Build from ``VERBATIM_*`` variables, then apply non-None ``overrides`` (CLI flags)."""
         values: dict[str, Any] = {}
         for f in dataclasses.fields(cls):
-            if f.name == "engine_options":
-                continue
             raw = env.get(ENV_PREFIX + f.name.upper())
+            if f.name == "engine_options":
+                if raw is not None:
+                    values[f.name] = _json_object(raw)
+                continue
             if raw is not None:
                 values[f.name] = _coerce(f.name, raw, type(getattr(cls(), f.name)))
         known = {f.name for f in dataclasses.fields(cls)}
@@ -81,6 +84,16 @@ class Settings:
         if "data_dir" in values:
             values["data_dir"] = Path(values["data_dir"])
         return cls(**values)
+
+
+def _json_object(raw: str) -> dict[str, Any]:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}ENGINE_OPTIONS must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{ENV_PREFIX}ENGINE_OPTIONS must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _coerce(name: str, raw: str, kind: type) -> Any:
