@@ -595,7 +595,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
     out: dict[str, Any] = {"prompts": a.rollback_prompts, "new_tokens": a.rollback_tokens, "windows": {}}
     for w in a.rollback_windows:
-        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode="dvr", window=w, group=a.group,
+        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr", window=w, group=a.group,
                                 num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.rollback_prompts,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         llm = smol_llm(ctx, config)
@@ -717,7 +717,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, mode=mode, window=32,
+        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode=mode, window=32,
                                 group=a.group, num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.compare_requests,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         return smol_llm(ctx, config)

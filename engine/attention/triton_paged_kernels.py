@@ -35,7 +35,7 @@ def _prefill_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=q_valid[:, None] & d_mask[None, :], other=0.0)   # [BM, BD]
+                mask=q_valid[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -94,7 +94,7 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
     q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_valid[:, None] & d_mask[None, :], other=0.0)  # [GP, BD]
+                mask=h_valid[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [GP, BD]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
