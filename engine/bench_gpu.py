@@ -246,10 +246,48 @@ def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
         out[str(b)] = entry
     del fused
     try:
+        out["graphed_step_by_ops"] = _step_by_ops(ctx, model)
+    except Exception as exc:  # an A/B diagnostic: keep the other figures if it fails
+        out["graphed_step_by_ops"] = {"error": repr(exc)}
+    try:
         out["profile_batch1"] = _profile_decode_kernels(ctx, model)
     except Exception as exc:  # the profiler is a diagnostic: keep the GEMM figures if it fails
         out["profile_batch1"] = {"error": repr(exc)}
     torch.cuda.empty_cache()
+    return out
+
+
+def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
+    """Graphed decode step with the model's ops vs cuBLAS GEMMs + the one-kernel Triton RMSNorm / SwiGLU
+    of engine.kernels (a weight-sharing view): how much the row-op kernel count costs."""
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.kernels import TORCH_OPS, BatchInvariantOps
+
+    class RowKernelOps(type(TORCH_OPS)):  # GEMMs stay cuBLAS; norms and SwiGLU one Triton kernel each
+        name = "torch+triton-rows"
+        _bi = BatchInvariantOps("triton")
+
+        def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+            return self._bi.rms_norm(x, weight, eps)
+
+        def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+            return self._bi.silu_mul(gate, up)
+
+    context, batches = ctx.args.context, (1, max(ctx.args.batches))
+    nb = -(-(context + 16) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(2 + max(batches) * nb, BLOCK_SIZE)
+    fill_cache_(kv, seed=2)
+    out: dict[str, Any] = {}
+    for label, m in (("model_ops", model), ("triton_row_ops", model.with_numerics(RowKernelOps(), model.attention))):
+        graphs = DecodeGraphs(m, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
+        graphs.capture()
+        for b in batches:
+            tables = contiguous_tables(b, nb)
+            ids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
+            t = time_cuda(lambda: graphs.run(ids, [context - 1] * b, [context] * b, tables), reps=ctx.args.reps)
+            out[f"{label}_b{b}_ms"] = t["median_ms"]
+        del graphs
+    del kv
     return out
 
 
@@ -982,6 +1020,10 @@ def summary(result: dict[str, Any]) -> str:
         if isinstance(v, dict) and "weights_floor_ms" in v:
             lines.append(f"breakdown b={b}: gemms {v.get('gemms_unfused_ms', 0):.2f} ms, fused "
                          f"{v.get('gemms_fused_qkv_gateup_ms', 0):.2f} ms, weights floor {v['weights_floor_ms']:.2f} ms")
+    ab = result.get("decode_breakdown", {}).get("graphed_step_by_ops")
+    if isinstance(ab, dict):
+        lines.append("graphed step by ops: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                         for k, v in ab.items()))
     prof = result.get("decode_breakdown", {}).get("profile_batch1")
     if isinstance(prof, dict) and "kernels" in prof:
         lines.append(f"eager b=1 step: {prof['kernels']} kernels, {prof['device_us'] / 1e3:.2f} ms of kernel time; "
