@@ -687,11 +687,12 @@ def smol_llm(ctx: Ctx, config: Any) -> Any:
 
 
 def _use_triton(llm: Any) -> None:
-    """Put the Triton backend in if the engine config could not name it (older config)."""
+    """Put the Triton backend in where the engine runs the torch one (this EngineConfig cannot name
+    'triton'); the batch_invariant mode keeps its own attention."""
     from engine.attention.triton_paged import TritonPagedAttention
 
     model = llm.core.runner.model
-    if model.device.type == "cuda" and getattr(model.attention, "name", "") != "triton":
+    if model.device.type == "cuda" and getattr(model.attention, "name", "") == "torch":
         model.attention = TritonPagedAttention()
 
 

@@ -12,7 +12,8 @@ the batch to the next captured size and replays: no device allocation per step. 
 token 0 at position 0, write their K/V to the scratch block (never read as a key) and attend to key 0
 of the zero block (seq_len 1), so they are finite and touch no live sequence.
 
-Requires an attention backend whose `plan` needs no host sync (TritonPagedAttention). Rows whose block
+Requires an attention backend whose decode `plan` needs no host sync (TritonPagedAttention, or the
+batch_invariant mode's BatchInvariantAttention). Rows whose block
 tables are wider than the captured NB (longer than `max_seq_len`) fall back to eager (`run` -> None).
 
 The verify graph (`VerifyGraph`) has one shape, G x W; whether its logits equal the eager pass bit for
@@ -29,6 +30,7 @@ from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+GRAPH_SAFE_BACKENDS = ("triton", "batch_invariant")
 
 
 class _StaticPass:
@@ -79,8 +81,10 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_seq_len: int,
                  scratch_slot: int, zero_block: int = 0, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> None:
-        if getattr(model, "attention", None) is None or getattr(model.attention, "name", "") != "triton":
-            raise ValueError("CUDA graphs need the triton attention backend (its plan needs no host sync)")
+        backend = getattr(getattr(model, "attention", None), "name", None)
+        if backend not in GRAPH_SAFE_BACKENDS:
+            raise ValueError(f"CUDA graphs need an attention backend whose decode plan needs no host sync "
+                             f"({', '.join(GRAPH_SAFE_BACKENDS)}), got {backend!r}")
         self.model, self.kv = model, kv
         self.block_size = kv.block_size
         self.max_blocks = -(-max_seq_len // self.block_size)
