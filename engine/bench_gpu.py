@@ -435,8 +435,11 @@ def attach_decode_graphs(llm: Any) -> str:
     if getattr(runner, "graphs", None) is not None:
         return "model runner has its own graphs"
     _use_triton(llm)
-    graphs = DecodeGraphs.for_engine(runner.model, runner.kv, llm.config.max_num_seqs,
-                                     llm.core.max_model_len, SCRATCH_BLOCK)
+    try:
+        graphs = DecodeGraphs.for_engine(runner.model, runner.kv, llm.config.max_num_seqs,
+                                         llm.core.max_model_len, SCRATCH_BLOCK)
+    except (ValueError, RuntimeError) as exc:  # e.g. an attention plan that syncs: stay eager, say so
+        return f"eager (decode graphs failed: {exc!r:.200})"
     eager = runner.decode
 
     def decode(rows: list[Any]) -> torch.Tensor:
@@ -716,8 +719,8 @@ def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], 
     for name, mode, share in MODES:
         try:
             llm = make_llm(mode, share)
-        except ValueError as exc:  # e.g. a mode this build's EngineConfig refuses
-            modes[name] = {"error": str(exc)}
+        except Exception as exc:  # e.g. a mode this build refuses: record it, measure the other modes
+            modes[name] = {"error": repr(exc)[:400]}
             continue
         n_det = round(share * len(prompts))
         det_ids = set(range(0, len(prompts), max(1, round(len(prompts) / n_det)))[:n_det]) if n_det else set()
