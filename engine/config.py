@@ -14,7 +14,8 @@ class Mode(str, enum.Enum):
 
     DVR = "dvr"                            # decode-verify-rollback for requests that ask for it
     NONDETERMINISTIC = "nondeterministic"  # every request on the fast path, never verified
-    BATCH_INVARIANT = "batch_invariant"    # batch-invariant kernels everywhere (GPU issue)
+    BATCH_INVARIANT = "batch_invariant"    # batch-invariant kernels everywhere: every request
+    #                                        deterministic without verification (no verify passes)
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,12 @@ class EngineConfig:
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
         _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
-        _check(self.attention_backend == "torch", "attention_backend",
-               f"only 'torch' exists on this build, got {self.attention_backend!r}")
-        _check(self.mode != Mode.BATCH_INVARIANT, "mode", "batch_invariant arrives with the GPU work; use dvr or nondeterministic")
+        if self.mode == Mode.BATCH_INVARIANT:  # the mode fixes the numerics, attention included
+            _check(self.attention_backend in ("torch", "batch_invariant"), "attention_backend",
+                   f"mode batch_invariant runs its own attention; leave it unset, got {self.attention_backend!r}")
+            object.__setattr__(self, "attention_backend", "batch_invariant")
+        _check(self.attention_backend in ("torch", "batch_invariant"), "attention_backend",
+               f"only 'torch' and 'batch_invariant' exist on this build, got {self.attention_backend!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

@@ -13,7 +13,9 @@ import numpy as np
 import rfc8785
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, Mode
+from engine.kernels import DEFAULT_SPLIT_SIZE
+from engine.kernels.tiles import TILE_ROWS
 from engine.sampling import SAMPLER_ID
 
 ENGINE_VERSION = "0.1.0"
@@ -66,6 +68,9 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "sampler": SAMPLER_ID,
         "dtype": str(config.resolved_dtype).removeprefix("torch."),
     }
+    if config.mode == Mode.BATCH_INVARIANT:  # the split size and the kernel family fix the reduction order
+        fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
+        fp["batch_invariant_kernels"] = "triton" if device.type == "cuda" else f"torch-tiles-{TILE_ROWS}"
     if device.type == "cuda":
         fp["cuda_version"] = torch.version.cuda or "unknown"
         fp["driver_version"] = _nvidia_driver()

@@ -16,7 +16,7 @@ import torch
 
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
-from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
+from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode
 
 
 class PagedModel(Protocol):
@@ -51,7 +51,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.config = config
-        self.model = model
+        self.model = batch_invariant(model) if config.mode == Mode.BATCH_INVARIANT else model
         self.shape = shape
         self.device = device
         self.kv = KVCache.allocate(shape.num_layers, config.num_kv_blocks, config.block_size,
@@ -127,6 +127,16 @@ class ModelRunner:
         return ids, pos, slots, starts, lens, tables
 
 
+def batch_invariant(model: PagedModel) -> PagedModel:
+    """mode=batch_invariant: the model's weights through batch-invariant GEMM / norm / SwiGLU and attention
+    (a weight-sharing view), its GEMM shapes probed once here at start-up."""
+    from engine.models import LlamaForCausalLM, batch_invariant_view
+
+    if not isinstance(model, LlamaForCausalLM):
+        raise ValueError(f"EngineConfig.mode: batch_invariant needs an engine.models model, got {type(model).__name__}")
+    return batch_invariant_view(model)
+
+
 @dataclass(frozen=True)
 class LoadedModel:
     model: PagedModel
@@ -139,6 +149,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     """Resolve config.model through the loader, build our own forward and load the weights."""
     from pathlib import Path
 
+    from engine.kernels import TORCH_OPS, BatchInvariantOps
     from engine.loader import load_model_source
     from engine.models import arch_from_hf, build_model
 
@@ -146,7 +157,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     cache = Path(config.cache_dir) if config.cache_dir else None
     source = load_model_source(config.model, dtype, cache)
     arch = arch_from_hf(source.hf_config)
-    model = build_model(source.hf_config, dtype, device, config.attention_backend)
+    ops = BatchInvariantOps() if config.mode == Mode.BATCH_INVARIANT else TORCH_OPS
+    model = build_model(source.hf_config, dtype, device, config.attention_backend, ops)
     model.load_weights(source.weights())
     shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                        vocab_size=arch.vocab_size, max_model_len=source.info.max_model_len)

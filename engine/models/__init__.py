@@ -6,6 +6,7 @@ from typing import Any
 import torch
 
 from engine.attention import get_backend
+from engine.kernels import TORCH_OPS, BatchInvariantOps, Ops, check_linear_shapes
 from engine.models.arch import SUPPORTED_ARCHITECTURES, LlamaArch, arch_from_hf
 from engine.models.llama import LlamaForCausalLM
 
@@ -17,14 +18,31 @@ def build_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attention_backend: str = "torch",
+    ops: Ops = TORCH_OPS,
 ) -> LlamaForCausalLM:
-    """An unloaded model (uninitialised parameters on `device`); call load_weights next."""
+    """An unloaded model (uninitialised parameters on `device`); call load_weights next.
+
+    `ops` carries every GEMM, RMSNorm and SwiGLU (engine.kernels); BatchInvariantOps with
+    attention_backend="batch_invariant" makes the whole forward batch invariant.
+    """
     arch = arch_from_hf(hf_config)
     backend = get_backend(attention_backend)
     with torch.device("meta"):
-        model = _REGISTRY[arch.architecture](arch, dtype, backend)
+        model = _REGISTRY[arch.architecture](arch, dtype, backend, ops)
     model.materialize(device)
     return model.eval()
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "LlamaArch", "LlamaForCausalLM", "arch_from_hf", "build_model"]
+def batch_invariant_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """`model` with BatchInvariantOps and batch-invariant attention (a weight-sharing view unless it is
+    one already), after probing its GEMM shapes once on this machine (RuntimeError naming the shape)."""
+    bi = "batch_invariant"
+    if getattr(model.ops, "name", None) != bi or getattr(model.attention, "name", None) != bi:
+        model = model.with_numerics(BatchInvariantOps(), get_backend(bi))
+    check_linear_shapes(model.ops, model.linear_shapes(), model.dtype, model.device)
+    return model
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES", "LlamaArch", "LlamaForCausalLM", "arch_from_hf", "batch_invariant_view", "build_model",
+]

@@ -1,21 +1,30 @@
 """Own forward for the Llama family (Llama, SmolLM2, Qwen2 qkv bias, Qwen3 q/k norm) over a paged KV cache.
 
 Module and parameter names mirror transformers', so an HF state dict loads by name.
+Every GEMM (q/k/v/o, gate/up/down, lm_head), every RMSNorm and the SwiGLU go through the model's `ops`
+(engine.kernels: TORCH_OPS by default, BatchInvariantOps for mode="batch_invariant"), handed down as a
+forward argument; attention goes through the model's attention backend. `with_numerics` gives a view
+that shares the weights but runs other ops / attention.
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from engine.kernels import TORCH_OPS, Ops
 from engine.models.arch import LlamaArch
 from engine.models.rope import apply_rope, rope_table
 
 _IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def _linear(ops: Ops, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return ops.linear(x, layer.weight, layer.bias)
 
 
 class RMSNorm(nn.Module):
@@ -24,11 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         # normalised in float32, scaled in the model dtype (as transformers does)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -53,16 +60,17 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         backend: AttentionBackend,
+        ops: Ops,
     ) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = _linear(ops, self.q_proj, x).view(t, self.num_heads, self.head_dim)
+        k = _linear(ops, self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)
+        v = _linear(ops, self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -73,8 +81,10 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=b, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=b, dtype=dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:  # x [T, H]
+        gate = _linear(ops, self.gate_proj, x)  # [T, I]
+        up = _linear(ops, self.up_proj, x)  # [T, I]
+        return _linear(ops, self.down_proj, ops.silu_mul(gate, up))  # [T, H]
 
 
 class DecoderLayer(nn.Module):
@@ -94,9 +104,11 @@ class DecoderLayer(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
+        ops: Ops,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, plan, k_cache, v_cache, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x, ops), cos, sin, plan, k_cache, v_cache, backend, ops)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 class LlamaModel(nn.Module):
@@ -110,9 +122,10 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """model(input_ids[T], positions[T], meta, kv) -> hidden [T, H]; compute_logits -> float32 [N, vocab]."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: AttentionBackend) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: AttentionBackend, ops: Ops = TORCH_OPS
+                 ) -> None:
         super().__init__()
-        self.arch, self.dtype, self.attention = arch, dtype, backend
+        self.arch, self.dtype, self.attention, self.ops = arch, dtype, backend, ops
         self.model = LlamaModel(arch, dtype)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
         self.register_buffer("rope", torch.empty(0), persistent=False)
@@ -129,6 +142,21 @@ class LlamaForCausalLM(nn.Module):
     def device(self) -> torch.device:
         return self.model.embed_tokens.weight.device
 
+    def with_numerics(self, ops: Ops, attention: AttentionBackend) -> LlamaForCausalLM:
+        """A view sharing every parameter and buffer with this model, running `ops` and `attention`.
+
+        A shallow copy: the module tree (and so the weights) is shared, `ops` and `attention` are plain
+        attributes set on the copy only, so this model keeps its own numerics.
+        """
+        view = copy.copy(self)
+        view.ops, view.attention = ops, attention
+        return view
+
+    def linear_shapes(self) -> list[tuple[int, int]]:
+        """(N, K) of every weight that goes through ops.linear, sorted, without repeats."""
+        shapes = {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, nn.Linear)}
+        return sorted(shapes)
+
     @torch.no_grad()
     def forward(
         self,
@@ -142,13 +170,13 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
         x = self.model.embed_tokens(input_ids)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, plan, kv.k[i], kv.v[i], self.attention)
-        return self.model.norm(x)
+            x = layer(x, cos, sin, plan, kv.k[i], kv.v[i], self.attention, self.ops)
+        return self.model.norm(x, self.ops)
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 [N, vocab]. For invariant logits keep N fixed (e.g. all G*W rows)."""
-        return self.lm_head(hidden).float()
+        return self.ops.linear(hidden, self.lm_head.weight).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         a = self.arch
