@@ -684,8 +684,7 @@ def smol_llm(ctx: Ctx, config: Any) -> Any:
         source, model, shape = ctx.extras["smol"]
         llm = LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
     _use_triton(llm)
-    if ctx.args.engine_graphs:
-        attach_decode_graphs(llm)
+    llm.bench_graphs = attach_decode_graphs(llm) if ctx.args.engine_graphs else "eager"
     return llm
 
 
@@ -738,7 +737,9 @@ def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], 
         total = time.perf_counter() - t0
         lat = sorted(done.values())
         tokens = sum(len(s.tokens) for s in seqs)
-        modes[name] = {"mode": mode, "deterministic_share": share, "deterministic_requests": len(det_ids),
+        modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
+                       "attention": getattr(llm.core.runner.model.attention, "name", None),
+                       "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
                        "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs),
                        "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
@@ -801,8 +802,7 @@ def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
                                 max_num_batched_tokens=8192, max_model_len=4096, fault_rate=fault_rate,
                                 fault_seed=5)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
-        if a.engine_graphs:
-            attach_decode_graphs(llm)
+        llm.bench_graphs = attach_decode_graphs(llm) if a.engine_graphs else "eager"
         return llm
 
     res = {"model": f"synthetic {a.preset} (peaked logits)", "requests": n, "fault_rate": fault_rate,
