@@ -644,6 +644,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
         params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
                                 deterministic=True, seed=1)
         res = _drive(llm.core, prompts, params, a.rollback_cap_s, f"w{w}")
+        res["graphs"] = llm.bench_graphs
         st = res["stats"]
         committed = max(res["committed_tokens"], 1)
         res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / committed
