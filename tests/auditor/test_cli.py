@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -36,6 +38,9 @@ def test_keys_create_list_revoke(tmp_path: Path) -> None:
     assert created.returncode == 0, created.stderr
     secret = created.stdout.strip().splitlines()[-1]
     assert secret.startswith("vbk_") and " " not in secret
+    with sqlite3.connect(tmp_path / "verbatim.db") as connection:
+        rows = connection.execute("SELECT * FROM api_keys").fetchall()
+    assert secret not in repr(rows) and hashlib.sha256(secret.encode()).hexdigest() in repr(rows)
     listed = run_cli("keys", "list", "--data-dir", str(tmp_path))
     key_id = listed.stdout.split()[0]
     assert "acme" in listed.stdout and "auditor" in listed.stdout and secret not in listed.stdout
