@@ -170,12 +170,13 @@ def test_mock_model_is_refused(make_mock_llm: Callable[..., LLM]) -> None:
 # ---- model level -----------------------------------------------------------------------------------
 def _run(model: LlamaForCausalLM, kv: Any, kind: PassKind, rows: list[RowSpec], ids: list[int]) -> torch.Tensor:
     """One forward; logits of every token, float32 [T, vocab]."""
-    meta = build_metadata(kind, rows, kv.block_size)
-    hidden = model(torch.tensor(ids), positions_of(rows), meta, kv)
+    dev = model.device
+    meta = build_metadata(kind, rows, kv.block_size, dev)
+    hidden = model(torch.tensor(ids, device=dev), positions_of(rows, dev), meta, kv)
     return model.compute_logits(hidden)
 
 
-def _prefill_variants(model: LlamaForCausalLM, prompt: list[int], other: list[int]) -> dict[str, torch.Tensor]:
+def prefill_variants(model: LlamaForCausalLM, prompt: list[int], other: list[int]) -> dict[str, torch.Tensor]:
     """Logits of every prompt position, computed four ways; each way on a fresh cache."""
     n, table = len(prompt), [3, 4, 5]
     out: dict[str, torch.Tensor] = {}
@@ -202,7 +203,7 @@ def test_chunked_prefill_and_decode_equal_whole_prefill(tiny: tuple[LlamaForCaus
     rng = random.Random(3)
     prompt = [rng.randrange(3, 1000) for _ in range(40)]
     other = [rng.randrange(3, 1000) for _ in range(9)]
-    variants = _prefill_variants(model, prompt, other)
+    variants = prefill_variants(model, prompt, other)
     for name, logits in variants.items():
         assert torch.equal(logits, variants["whole"]), name
 
@@ -210,7 +211,7 @@ def test_chunked_prefill_and_decode_equal_whole_prefill(tiny: tuple[LlamaForCaus
 def test_chunked_prefill_control_plain_torch(tiny: tuple[LlamaForCausalLM, ModelShape]) -> None:
     """Control: the default (shape-dependent) path does not give those equalities."""
     rng = random.Random(3)
-    variants = _prefill_variants(tiny[0], [rng.randrange(3, 1000) for _ in range(40)], [5] * 9)
+    variants = prefill_variants(tiny[0], [rng.randrange(3, 1000) for _ in range(40)], [5] * 9)
     if all(torch.equal(v, variants["whole"]) for v in variants.values()):
         pytest.xfail("plain torch happened to be invariant here")
 
