@@ -7,9 +7,9 @@ tree size, so a client can check them against the checkpoint it just fetched.
 from __future__ import annotations
 
 import base64
-from typing import Any
+from typing import Any, Literal
 
-from litestar import Controller, get
+from litestar import Controller, Response, get
 from litestar.di import Provide
 from litestar.params import Parameter
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -25,9 +25,13 @@ class LogController(Controller):
     dependencies = {"db_session": Provide(provide_db_session)}
 
     @get("/checkpoint")
-    async def checkpoint(self, services: Services, db_session: AsyncSession) -> dict[str, Any]:
+    async def checkpoint(self, services: Services, db_session: AsyncSession,
+                         format: Literal["json", "note"] = "json") -> Response[Any]:
+        """JSON ``{origin, tree_size, root_hash, note}``; ``?format=note``: the signed note as text/plain."""
         checkpoint = await services.ledger.checkpoint(db_session)
-        return {"origin": services.ledger.origin, **checkpoint.to_json()}
+        if format == "note":
+            return Response(checkpoint.note, media_type="text/plain; charset=utf-8")
+        return Response({"origin": services.ledger.origin, **checkpoint.to_json()})
 
     @get("/proofs/inclusion")
     async def inclusion(

@@ -97,6 +97,8 @@ async def test_models_health_jwks_metrics(fake_server: LiveServer) -> None:
         assert {k["role"] for k in jwks["keys"]} >= {"transcript", "checkpoint"}
         assert all("d" not in k for k in jwks["keys"])
         assert (await anonymous.get("/v1/models")).status_code == 401
+        note = await anonymous.get("/v1/log/checkpoint", params={"format": "note"})
+        assert note.headers["content-type"].startswith("text/plain") and note.text.startswith("verbatim.local/log\n0\n")
     async with fake_server.client(fake_server.keys["client"]) as client:
         models = (await client.get("/v1/models")).json()
         await client.post("/v1/completions", json=completion())
