@@ -23,7 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop-token-id", type=int, action="append", default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--logprobs", type=int, default=None, help="also return N top logprobs per token")
-    gen.add_argument("--deterministic", action="store_true", help="bit-exact via decode-verify-rollback")
+    gen.add_argument("--deterministic", action="store_true",
+                     help="bit-exact via decode-verify-rollback (--mode batch_invariant: every request is)")
     gen.add_argument("--json", action="store_true", help="print the full RequestOutput as JSON")
     _engine_flags(gen)
     bench = sub.add_parser("bench", help="throughput benchmark (or --replay) -> bench/results/*.json")
@@ -76,7 +77,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         print(json.dumps(vars(out), default=str))
         return 0
     print(out.text)
-    print(f"--- {len(out.token_ids)} tokens, finish={out.finish_reason}, seed={out.seed}, "
+    print(f"--- {len(out.token_ids)} tokens, finish={out.finish_reason}, seed={out.seed}, mode={cfg.mode.value}, "
           f"deterministic={out.deterministic}, windows={out.windows}, (G, W)={out.window_shape}, "
           f"verify_passes={out.verify_passes}, rollbacks={out.rollbacks}, "
           f"recomputed_tokens={out.recomputed_tokens}", file=sys.stderr)
