@@ -275,3 +275,24 @@ def test_smollm2_alone_equals_batched(smollm2_source: Any, smollm2_model: Any, s
     assert_same(alone, together)
     assert_unverified(together)
     assert smollm2_model.ops is TORCH_OPS
+
+
+# ---- every supported architecture feature (biases, q/k norm, llama3 RoPE) ------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama-tied", "llama3-rope-bias", "qwen2-qkv-bias", "qwen3-qk-norm"])
+def test_architectures_invariant_and_close_to_transformers(name: str, dtype: torch.dtype) -> None:
+    """Chunked prefill + co-batched decode + a verify pass == one whole prefill, bitwise; fp32 near HF."""
+    from tests.engine.test_model_parity import (BLOCK, TINY_CONFIGS, TOL_TINY_FP32, _our_model, _paged_logits,
+                                                _pass, _random_hf_model)
+
+    hf = _random_hf_model(TINY_CONFIGS[name](), seed=7)
+    model = batch_invariant_view(_our_model(hf, dtype))
+    seq = torch.randint(0, 160, (45,), generator=torch.Generator().manual_seed(3)).tolist()
+    pieces = _paged_logits(model, seq, n_prefill=27, n_decode=8, window=10)
+    kv = model.allocate_kv_cache(num_blocks=16, block_size=BLOCK)
+    whole = _pass(model, kv, PassKind.PREFILL, [RowSpec([7, 2, 9, 4, 11], 0, len(seq))], [seq])
+    assert torch.equal(pieces, whole)
+    if dtype == torch.float32:
+        with torch.no_grad():
+            ref = hf(torch.tensor([seq])).logits[0].float()
+        assert (whole - ref).abs().max().item() <= TOL_TINY_FP32
