@@ -79,19 +79,46 @@ def gumbel(seed: int, position: int, vocab_size: int) -> np.ndarray:
     return -np.log(-np.log(uniform(seed, position, vocab_size)))
 
 
+def sorted_prefix(scaled: np.ndarray, m: int) -> np.ndarray:
+    """At least the first m ids of the stable descending order of `scaled` (ties: lower id first); every id
+    tied with the m-th value is included, so the result is exactly a prefix of the full stable sort."""
+    v = scaled.shape[0]
+    if m >= v:
+        return np.argsort(-scaled, kind="stable")
+    threshold = np.partition(scaled, v - m)[v - m]
+    ids = np.flatnonzero(scaled >= threshold)
+    return ids[np.argsort(-scaled[ids], kind="stable")]
+
+
 def keep_mask(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """Boolean mask [vocab] of ids that survive top-k then top-p (ties broken by lower id first)."""
-    order = np.argsort(-scaled, kind="stable")
-    keep = np.zeros(scaled.shape[0], dtype=bool)
-    n = scaled.shape[0] if top_k == 0 else min(top_k, scaled.shape[0])
-    if top_p < 1.0:
-        top = scaled[order[:n]]
-        probs = np.exp(top - top[0])
-        probs /= probs.sum()
-        before = np.cumsum(probs) - probs         # mass strictly above each candidate
-        n = int(np.count_nonzero(before < top_p))
-    keep[order[:max(n, 1)]] = True
-    return keep
+    """Boolean mask [vocab] of ids that survive top-k, then top-p over the top-k set.
+
+    top-p keeps the shortest prefix of the descending order whose preceding mass is < top_p, with
+    p_i = exp(x_i - max) / sum (sum over the top-k set in id order, float64; cumulative sums are
+    sequential, so looking at a longer prefix never changes the answer).
+    """
+    v = scaled.shape[0]
+    n = v if top_k == 0 else min(top_k, v)
+    keep = np.zeros(v, dtype=bool)
+    if top_p >= 1.0:
+        keep[sorted_prefix(scaled, n)[:n]] = True
+        return keep
+    weights = np.exp(scaled - scaled.max())
+    if top_k:
+        in_k = np.zeros(v, dtype=bool)
+        in_k[sorted_prefix(scaled, n)[:n]] = True
+        total = weights[in_k].sum()
+    else:
+        total = weights.sum()
+    m = min(n, 64)
+    while True:
+        order = sorted_prefix(scaled, m)[:n]
+        probs = weights[order] / total
+        count = int(np.count_nonzero(np.cumsum(probs) - probs < top_p))
+        if count < len(order) or len(order) == n:
+            keep[order[: max(count, 1)]] = True
+            return keep
+        m = min(n, m * 8)
 
 
 def log_softmax64(row: np.ndarray) -> np.ndarray:
@@ -107,7 +134,8 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: 
         token = int(np.argmax(logits))
     else:
         scaled = logits.astype(np.float64) / params.temperature
-        scaled = np.where(keep_mask(scaled, params.top_k, params.top_p), scaled, -np.inf)
+        if params.top_k or params.top_p < 1.0:  # the masks sort the vocab: only pay when asked
+            scaled = np.where(keep_mask(scaled, params.top_k, params.top_p), scaled, -np.inf)
         token = int(np.argmax(scaled + gumbel(seed, position, logits.shape[0])))
     lp = log_softmax64(logits)
     top = None

@@ -67,7 +67,7 @@ def test_determinism_staggered_among_nondeterministic(make_real_llm, workload, r
 def test_fault_injection_bitwise_equal(make_real_llm, workload, reference, rate) -> None:
     """A subset suffices: each request's output is its own pure function, so it must equal its entry in
     the 16-request reference whatever else runs."""
-    n = 16 if rate < 1.0 else 6
+    n = 10 if rate < 1.0 else 6
     prompts, params = workload
     out = make_real_llm(fault_rate=rate, fault_seed=11, **SMALL).generate(prompts[:n], params[:n])
     assert_same(out, reference[:n])
@@ -141,9 +141,10 @@ def test_preemption_bitwise_equal(make_real_llm, workload, reference) -> None:
 
 def test_replay_of_outputs_made_under_load(make_real_llm, workload, reference) -> None:
     prompts, params = workload
+    prompts, params = prompts[:10], params[:10]
     made = staggered(make_real_llm(fault_rate=0.3, fault_seed=3, max_num_seqs=6, **SMALL), prompts, params,
                      seed=7)
-    assert_same(made, reference)
+    assert_same(made, reference[:10])
     reqs = replay_requests(prompts, params, made)
     altered_at = 5
     tokens = list(reqs[0].token_ids)
@@ -163,7 +164,7 @@ def test_default_window_and_group(make_real_llm, workload) -> None:
     """W=32, G=8 (the defaults): batched with faults equals a fault-free run under a different batch
     limit, windows hold up to 32 tokens, and replays match."""
     prompts, params = workload
-    params = [replace(p, max_tokens=34 + i * 3, ignore_eos=True) for i, p in enumerate(params[:4])]
+    params = [replace(p, max_tokens=33 + i * 2, ignore_eos=True) for i, p in enumerate(params[:4])]
     prompts = prompts[:4]
     a = make_real_llm(fault_rate=0.1, fault_seed=4).generate(prompts, params)
     b = make_real_llm(max_num_seqs=3).generate(prompts[::-1], params[::-1])[::-1]

@@ -83,3 +83,29 @@ def test_sampled_frequencies_match_distribution(temperature: float, top_k: int, 
     stat = _chi2(counts[kept], target[kept])
     assert stat < CHI2_3DOF_P1E6, (stat, counts, target)
     assert math.isfinite(stat)
+
+
+def _full_sort_mask(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
+    """Reference: the definition of keep_mask with one full stable sort."""
+    v = len(scaled)
+    order = np.argsort(-scaled, kind="stable")
+    n = v if top_k == 0 else min(top_k, v)
+    keep = np.zeros(v, dtype=bool)
+    if top_p >= 1.0:
+        keep[order[:n]] = True
+        return keep
+    w = np.exp(scaled - scaled.max())
+    in_k = np.zeros(v, dtype=bool)
+    in_k[order[:n]] = True
+    probs = w[order[:n]] / (w[in_k].sum() if top_k else w.sum())
+    keep[order[: max(int(np.count_nonzero(np.cumsum(probs) - probs < top_p)), 1)]] = True
+    return keep
+
+
+def test_partial_sort_masks_equal_full_sort() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        v = int(rng.integers(2, 3000))
+        scaled = np.round(rng.standard_normal(v) * rng.choice([0.1, 1.0, 5.0]), 1)  # many ties
+        k, p = int(rng.choice([0, 1, 5, 50, 5000])), float(rng.choice([1.0, 0.01, 0.5, 0.9, 0.999]))
+        assert np.array_equal(keep_mask(scaled, k, p), _full_sort_mask(scaled, k, p)), (v, k, p)
