@@ -108,3 +108,26 @@ def test_replay_reproduces_and_locates_mismatch(make_mock_llm, workload) -> None
     s, e = bad.windows[res[0].window_index]
     assert s <= pos < e
     assert res[1].first_mismatch is None
+
+
+def test_replays_survive_preemption(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    outs = make_mock_llm(fault_rate=0.2).generate(prompts, params)
+    small = make_mock_llm(num_kv_blocks=2 + 14, block_size=4)
+    results = small.replay(replay_requests(prompts, params, outs))
+    assert small.core.scheduler.preemptions > 0
+    assert [r.token_ids for r in results] == [o.token_ids for o in outs]
+    assert [r.token_logprobs for r in results] == [o.token_logprobs for o in outs]
+
+
+def test_stop_token_ids_and_max_tokens_judged_on_committed(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    i = max(range(len(ref)), key=lambda k: len(ref[k].token_ids))
+    stop_at = 5
+    stop_id = ref[i].token_ids[stop_at]
+    first = ref[i].token_ids.index(stop_id)
+    p = replace(params[i], stop_token_ids=[stop_id])
+    out = make_mock_llm(fault_rate=0.5).generate([prompts[i]], [p])[0]
+    assert out.token_ids == ref[i].token_ids[: first + 1] and out.finish_reason == "stop"
+    assert out.windows[-1][1] == len(out.token_ids)

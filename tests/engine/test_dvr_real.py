@@ -175,3 +175,14 @@ def test_default_window_and_group(make_real_llm, workload) -> None:
         assert_windows_cover(o, 32)
     res = make_real_llm().replay(replay_requests(prompts, params, a))
     assert all(r.first_mismatch is None and r.token_logprobs == o.token_logprobs for r, o in zip(res, a))
+
+
+def test_stop_string_on_committed_text(make_real_llm) -> None:
+    llm = make_real_llm(**SMALL)
+    p = SamplingParams(max_tokens=12, temperature=0.0, deterministic=True)
+    full = llm.generate(["The capital of France is"], p)[0]
+    assert "." in full.text
+    out = llm.generate(["The capital of France is"], replace(p, stop=["."]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(".")]
+    assert full.token_ids[: len(out.token_ids)] == out.token_ids
+    assert_windows_cover(out, 8)
