@@ -788,19 +788,21 @@ def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
     model = build_synthetic_model(synthetic_hf_config(a.preset, **overrides), torch.bfloat16, ctx.device, seed=0,
                                   attention_backend="triton", peaked=True)
     shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
-                       model.arch.vocab_size, 4096)
+                       model.arch.vocab_size, 8192)
     fault_rate = ctx.extras.get("smollm2_rollbacks_per_token_w32", a.synthetic_fault_rate)
     n = a.compare_requests
     gen = torch.Generator().manual_seed(3)
     in_lens = sharegpt_like_lengths(n, 11, 16, 512)
     prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
     out_lens = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
-    blocks = 2 + sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, out_lens))
+    blocks = 2 + max(sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, out_lens)),
+                     *(int(c) * -(-(int(p) + int(o) + 64) // BLOCK_SIZE)
+                       for c, p, o in (spec.split("x") for spec in a.fixed_sets)))
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(EngineConfig, model="synthetic", device=ctx.device.type, dtype="bfloat16",
                                 mode=mode, window=32, group=a.group, num_kv_blocks=blocks, max_num_seqs=n,
-                                max_num_batched_tokens=8192, max_model_len=4096, fault_rate=fault_rate,
+                                max_num_batched_tokens=8192, max_model_len=8192, fault_rate=fault_rate,
                                 fault_seed=5)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
         llm.bench_graphs = attach_decode_graphs(llm) if a.engine_graphs else "eager"
@@ -810,6 +812,11 @@ def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
            "fault_rate_source": "SmolLM2 W=32" if "smollm2_rollbacks_per_token_w32" in ctx.extras else "default",
            "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(out_lens) / n,
            "modes": _run_modes(make, prompts, out_lens, a.compare_cap_s, "syn")}
+    for spec in a.fixed_sets:  # e.g. "16x1024x256": requests x prompt length x output length
+        count, p_len, o_len = (int(x) for x in spec.split("x"))
+        fixed = [torch.randint(0, model.arch.vocab_size, (p_len,), generator=gen).tolist() for _ in range(count)]
+        res[f"fixed_{spec}"] = {"requests": count, "prompt_len": p_len, "output_len": o_len,
+                                "modes": _run_modes(make, fixed, [o_len] * count, a.compare_cap_s, f"fx{spec}")}
     del model
     torch.cuda.empty_cache()
     return res
@@ -971,6 +978,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-tokens", type=int, default=128)
     p.add_argument("--compare-cap-s", type=float, default=60.0)
     p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
+    p.add_argument("--fixed-sets", type=lambda s: [x for x in s.split(",") if x], default=["16x1024x256"],
+                   help="extra fixed request sets for compare_modes_synthetic, REQUESTSxPROMPTxOUTPUT "
+                        "(the issue's 4k/1k set: 8x4096x1024)")
     p.add_argument("--synthetic-fault-rate", type=float, default=0.01,
                    help="injected rollbacks per token on the synthetic 8B when SmolLM2 was not measured first")
     p.add_argument("--no-engine-graphs", dest="engine_graphs", action="store_false",
@@ -1055,8 +1065,10 @@ def summary(result: dict[str, Any]) -> str:
     for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items():
         lines.append(f"smollm2 W={w}: recompute {v['recompute_pct_of_output']:.2f}% of {v['committed_tokens']} "
                      f"tokens, {v['seconds']:.0f}s capped={v['capped']}")
-    for sec in ("compare_modes", "compare_modes_synthetic"):
-        for k, v in result.get(sec, {}).get("modes", {}).items():
+    fixed = {f"compare_modes_synthetic.{k}": v for k, v in result.get("compare_modes_synthetic", {}).items()
+             if k.startswith("fixed_") and isinstance(v, dict)}
+    for sec, sec_res in [(s_, result.get(s_, {})) for s_ in ("compare_modes", "compare_modes_synthetic")] + list(fixed.items()):
+        for k, v in sec_res.get("modes", {}).items():
             ratio = v.get("ratio_to_nondeterministic")
             lines.append(f"{sec} {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio "
                          f"{'-' if ratio is None else f'{ratio:.3f}'} p50 {v.get('p50_latency_s')} "
