@@ -416,7 +416,7 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
             out["graph_hook"] = attach_decode_graphs(llm)
         out[label] = _drive(llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}")
         del llm
-        torch.cuda.empty_cache()
+        _free()
     out["output_tok_per_s"] = max(out[k]["output_tok_per_s"] for k in ("eager", "decode_graphs"))
     return out
 
@@ -489,6 +489,15 @@ def _engine_config(cls: Any, **kw: Any) -> Any:
     return cls(**kw)
 
 
+def _free() -> None:
+    """Drop an engine's KV cache and graph pools (its decode hook closes a reference cycle)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -529,17 +538,17 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).to(ctx.device)
     out: dict[str, Any] = {"missing_keys": missing[:5], "unexpected_keys": unexpected[:5]}
 
-    def static() -> torch.Tensor:
+    def static(new_tokens: int = n_out) -> torch.Tensor:
         with torch.inference_mode():
-            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=n_out,
-                               min_new_tokens=n_out, do_sample=False, pad_token_id=0)
+            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+                               max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
     with torch.inference_mode():  # parity of the prefill logits on the same weights
         ours = _our_prefill_logits(model, prompts[:2])
         theirs = hf(input_ids=prompts[:2]).logits[:, -1].float()
         out["prefill_logits_max_abs_diff"] = (ours - theirs).abs().max().item()
         out["prefill_top1_agree"] = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    static()  # warm-up
+    static(4)  # warm-up
     _sync()
     t0 = time.perf_counter()
     seqs = static()
@@ -655,7 +664,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
         out["windows"][str(w)] = res
         out["prompt_len_min_max"] = [min(map(len, prompts)), max(map(len, prompts))]
         del llm
-        torch.cuda.empty_cache()
+        _free()
     return out
 
 
@@ -746,7 +755,7 @@ def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], 
                        "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
                        "stats": {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}}
         del llm
-        torch.cuda.empty_cache()
+        _free()
     base = modes.get("nondeterministic", {}).get("output_tok_per_s")
     for entry in modes.values():
         if base and "output_tok_per_s" in entry:
