@@ -76,3 +76,12 @@ def test_no_leaks_after_finish_abort_and_preemption(make_mock_llm) -> None:
     assert all(s.is_finished for s in seqs)
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
     assert core.scheduler.blocks.owners() == []
+
+
+def test_kv_cache_size_follows_config_not_requests(make_mock_llm) -> None:
+    small, large = make_mock_llm(num_kv_blocks=20), make_mock_llm(num_kv_blocks=40)
+    per_block = small.core.runner.kv.nbytes // 20
+    assert large.core.runner.kv.nbytes == 40 * per_block
+    before = small.core.runner.kv.nbytes
+    small.generate([[3 + i, 4, 5] for i in range(12)], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert small.core.runner.kv.nbytes == before
