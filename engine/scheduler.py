@@ -106,8 +106,11 @@ class Scheduler:
         rows = [s for s in self.running if needs_verify(s, self.config.window, self.eos_ids)]
         if not rows:
             return None
+        for s in rows:  # teacher rows (rebuild / replay) start waiting when first seen: no starvation
+            if s.ready_since is None:
+                s.ready_since = self.step_index
         decodable = any(can_decode(s, self.config.window, self.eos_ids) for s in self.running)
-        oldest = min(s.ready_since if s.ready_since is not None else self.step_index for s in rows)
+        oldest = min(s.ready_since for s in rows if s.ready_since is not None)
         if not (force or len(rows) >= self.config.group or not decodable
                 or self.step_index - oldest >= self.config.window):
             return None

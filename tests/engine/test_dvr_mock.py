@@ -131,3 +131,20 @@ def test_stop_token_ids_and_max_tokens_judged_on_committed(make_mock_llm, worklo
     out = make_mock_llm(fault_rate=0.5).generate([prompts[i]], [p])[0]
     assert out.token_ids == ref[i].token_ids[: first + 1] and out.finish_reason == "stop"
     assert out.windows[-1][1] == len(out.token_ids)
+
+
+def test_replay_is_not_starved_by_fast_traffic(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    outs = make_mock_llm().generate(prompts[:2], params[:2])
+    llm = make_mock_llm(max_num_seqs=16)
+    core = llm.core
+    seqs = [core.add_replay(f"rp{i}", p, o.token_ids, replace(sp, seed=o.seed), o.windows)
+            for i, (p, sp, o) in enumerate(zip(prompts[:2], params[:2], outs))]
+    for i in range(10):  # long-running non-deterministic traffic keeps the fast path busy
+        core.add_request(f"bg{i}", [5, 6, 7], fast_params(seed=i, max_tokens=400))
+    for _ in range(400):
+        if all(s.is_finished for s in seqs):
+            break
+        core.step()
+    assert all(s.is_finished for s in seqs)
+    assert [s.replay.predicted for s in seqs] == [o.token_ids for o in outs]
