@@ -90,9 +90,7 @@ class Scheduler:
             alone = seq.kind != SeqKind.FAST
             if items and (alone or len(item.tokens) > budget):
                 break
-            # watermark: keep a block per running sequence for its growth, or admission just causes preemption
-            need = self.blocks.extra_blocks(seq_key(seq), len(item.tokens) + 1) + len(self.running)
-            if need > self.blocks.num_free:
+            if self.blocks.extra_blocks(seq_key(seq), len(item.tokens) + 1) > self.blocks.num_free:
                 break
             self.blocks.ensure(seq_key(seq), len(item.tokens) + 1)
             self.waiting.popleft()
