@@ -32,7 +32,7 @@ import torch
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
-ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic")
+ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic", "wg_sweep")
 BLOCK_SIZE = 16
 
 
@@ -698,6 +698,32 @@ def smol_llm(ctx: Ctx, config: Any) -> Any:
     return llm
 
 
+def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 sweep on SmolLM2: W in 16/32/64 x G in 4/8/16/32, every request deterministic (greedy):
+    output tok/s and recompute rate per (W, G)."""
+    from engine.config import EngineConfig
+    from engine.sampling import SamplingParams
+
+    a = ctx.args
+    out: dict[str, Any] = {"requests": a.sweep_requests, "new_tokens": a.sweep_tokens, "runs": {}}
+    for w in (16, 32, 64):
+        for g in (4, 8, 16, 32):
+            config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr",
+                                    window=w, group=g, num_kv_blocks=a.smol_kv_blocks,
+                                    max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+            llm = smol_llm(ctx, config)
+            prompts = smollm2_prompts(llm.tokenizer, a.sweep_requests)
+            params = SamplingParams(max_tokens=a.sweep_tokens, temperature=0.0, ignore_eos=True, deterministic=True,
+                                    seed=1)
+            res = _drive(llm.core, prompts, params, a.compare_cap_s, f"sw{w}x{g}")
+            st = res["stats"]
+            res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / max(res["committed_tokens"], 1)
+            out["runs"][f"W{w}xG{g}"] = res
+            del llm
+            _free()
+    return out
+
+
 def _use_triton(llm: Any) -> None:
     """Put the Triton backend in where the engine runs the torch one (this EngineConfig cannot name
     'triton'); the batch_invariant mode keeps its own attention."""
@@ -842,7 +868,7 @@ SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lite_generate": bench_lite_generate,
     "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
     "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
-    "compare_modes_synthetic": bench_compare_modes_synthetic,
+    "compare_modes_synthetic": bench_compare_modes_synthetic, "wg_sweep": bench_wg_sweep,
 }
 
 
@@ -854,7 +880,7 @@ def chart(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [p for p in (_panel_decode, _panel_throughput, _panel_verify, _panel_rollback, _panel_modes)
+    panels = [p for p in (_panel_decode, _panel_throughput, _panel_verify, _panel_rollback, _panel_modes, _panel_sweep)
               if p(None, result)]
     if not panels:
         return
@@ -935,6 +961,30 @@ def _panel_rollback(ax: Any, result: dict[str, Any]) -> bool:
     return True
 
 
+def _panel_sweep(ax: Any, result: dict[str, Any]) -> bool:
+    runs = result.get("wg_sweep", {}).get("runs", {})
+    if ax is None or not runs:
+        return bool(runs)
+    groups = (4, 8, 16, 32)
+    for k, g in enumerate(groups):
+        xs, ys, tps = [], [], []
+        for i, w in enumerate((16, 32, 64)):
+            run = runs.get(f"W{w}xG{g}")
+            if run and "recompute_pct_of_output" in run:
+                xs.append(i + k * 0.2)
+                ys.append(run["recompute_pct_of_output"])
+                tps.append(run["output_tok_per_s"])
+        bars = ax.bar(xs, ys, 0.2, label=f"G={g}")
+        for bar, tp in zip(bars, tps):
+            ax.annotate(f"{tp:.0f}", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=6)
+    ax.set_xticks([0.3, 1.3, 2.3], ["W=16", "W=32", "W=64"])
+    ax.set_ylabel("recomputed tokens, % of output (labels: tok/s)")
+    ax.set_title("SmolLM2 all-deterministic: W x G sweep", fontsize=10)
+    ax.legend(fontsize=7)
+    return True
+
+
 def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
     series = {}
     for sec, label in (("compare_modes", "SmolLM2 (natural rollbacks)"),
@@ -986,6 +1036,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-requests", type=int, default=128)
     p.add_argument("--compare-tokens", type=int, default=128)
     p.add_argument("--compare-cap-s", type=float, default=60.0)
+    p.add_argument("--sweep-requests", type=int, default=128)
+    p.add_argument("--sweep-tokens", type=int, default=128)
     p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
     p.add_argument("--fixed-sets", type=lambda s: [x for x in s.split(",") if x], default=["16x1024x256"],
                    help="extra fixed request sets for compare_modes_synthetic, REQUESTSxPROMPTxOUTPUT "
@@ -1082,6 +1134,9 @@ def summary(result: dict[str, Any]) -> str:
             lines.append(f"{sec} {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio "
                          f"{'-' if ratio is None else f'{ratio:.3f}'} p50 {v.get('p50_latency_s')} "
                          f"p99 {v.get('p99_latency_s')} {v.get('error', '')[:120]}")
+    for k, v in result.get("wg_sweep", {}).get("runs", {}).items():
+        lines.append(f"sweep {k}: {v['output_tok_per_s']:.0f} tok/s, recompute {v['recompute_pct_of_output']:.2f}%, "
+                     f"{v['stats'].get('verify_passes')} verify passes, capped={v['capped']}")
     errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
     if errors:
         lines.append(f"sections with errors: {errors}")
