@@ -888,8 +888,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
     env = result.get("environment", {})
-    fig.suptitle(f"Verbatim GPU bench — {env.get('device')} — {env.get('date_utc')}\n{env.get('command')}",
-                 fontsize=8)
+    import textwrap
+
+    command = "\n".join(textwrap.wrap(str(env.get("command")), 160))
+    fig.suptitle(f"Verbatim GPU bench — {env.get('device')} — {env.get('date_utc')}\n{command}", fontsize=8)
     for ax, panel in zip(axes.flat, panels):
         panel(ax, result)
     for ax in list(axes.flat)[len(panels):]:
