@@ -16,7 +16,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -24,6 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.fingerprint import runtime_fingerprint, system_fingerprint
+from engine.llm import _detokenizer
 from engine.model_runner import LoadedModel, load_model
 from engine.replay import ReplayRequest, ReplayResult, check_replay, replay_result
 from engine.sampling import SamplingParams
@@ -59,9 +60,8 @@ class AsyncEngine:
         loaded = loaded or load_model(self.config)
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
-        detok = (lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True)) if loaded.tokenizer else None
         eos = set(getattr(loaded.info, "eos_token_ids", ()) or ())
-        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenize=detok)
+        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, _detokenizer(loaded.tokenizer))
         self._fingerprint = runtime_fingerprint(self.config)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -243,8 +243,6 @@ class AsyncEngine:
 
 
 def replace_id(result: ReplayResult, replay_id: str) -> ReplayResult:
-    from dataclasses import replace
-
     return replace(result, replay_id=replay_id)
 
 

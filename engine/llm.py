@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from engine.config import EngineConfig
-from engine.core import EngineCore
 import torch
 
+from engine.config import EngineConfig
+from engine.core import EngineCore
 from engine.model_runner import ModelShape, PagedModel, load_model
 from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results
 from engine.sampling import SamplingParams
@@ -21,27 +22,29 @@ class LLM:
     """`LLM()` loads the default model; `LLM(EngineConfig(...))` or `LLM(model="path", window=16)`."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
+        if config is not None and overrides:
+            raise ValueError(f"LLM: pass an EngineConfig or keyword options, not both (got {sorted(overrides)})")
         config = config or EngineConfig(**overrides)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config)
-        self.tokenizer = loaded.tokenizer
-        self.model_info = loaded.info
-        self.core = EngineCore(config, loaded.model, loaded.shape, set(loaded.info.eos_token_ids),
-                               detokenize=lambda ids: loaded.tokenizer.decode(ids, skip_special_tokens=True))
-        self._ids = itertools.count()
+        eos = set(loaded.info.eos_token_ids)
+        self._attach(EngineCore(config, loaded.model, loaded.shape, eos, _detokenizer(loaded.tokenizer)),
+                     loaded.tokenizer, loaded.info)
 
     @classmethod
     def from_parts(cls, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
                    tokenizer: Any = None) -> LLM:
-        """An engine over an already built model (tests use a mock model)."""
+        """An engine over an already built model (tests use a mock model, benches share weights)."""
         self = cls.__new__(cls)
-        self.tokenizer = tokenizer
-        self.model_info = None
-        detok = (lambda ids: tokenizer.decode(ids, skip_special_tokens=True)) if tokenizer else None
-        self.core = EngineCore(config, model, shape, eos_ids, detokenize=detok)
-        self._ids = itertools.count()
+        self._attach(EngineCore(config, model, shape, eos_ids, _detokenizer(tokenizer)), tokenizer, None)
         return self
+
+    def _attach(self, core: EngineCore, tokenizer: Any, info: Any) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.model_info = info
+        self._ids = itertools.count()
 
     @property
     def config(self) -> EngineConfig:
@@ -79,6 +82,12 @@ class LLM:
                 raise ValueError("prompt: text prompts need a tokenizer; pass token ids")
             return list(self.tokenizer.encode(prompt))
         return [int(t) for t in prompt]
+
+
+def _detokenizer(tokenizer: Any) -> Callable[[list[int]], str] | None:
+    if tokenizer is None:
+        return None
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _is_ids(x: Any) -> bool:
