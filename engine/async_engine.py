@@ -24,7 +24,7 @@ import torch
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.fingerprint import runtime_fingerprint, system_fingerprint
-from engine.llm import _detokenizer
+from engine.llm import detokenizer
 from engine.model_runner import LoadedModel, load_model
 from engine.replay import ReplayRequest, ReplayResult, check_replay, replay_result
 from engine.sampling import SamplingParams
@@ -61,7 +61,7 @@ class AsyncEngine:
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
         eos = set(getattr(loaded.info, "eos_token_ids", ()) or ())
-        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, _detokenizer(loaded.tokenizer))
+        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer))
         self._fingerprint = runtime_fingerprint(self.config)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()

@@ -29,7 +29,7 @@ class LLM:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config)
         eos = set(loaded.info.eos_token_ids)
-        self._attach(EngineCore(config, loaded.model, loaded.shape, eos, _detokenizer(loaded.tokenizer)),
+        self._attach(EngineCore(config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer)),
                      loaded.tokenizer, loaded.info)
 
     @classmethod
@@ -37,7 +37,7 @@ class LLM:
                    tokenizer: Any = None) -> LLM:
         """An engine over an already built model (tests use a mock model, benches share weights)."""
         self = cls.__new__(cls)
-        self._attach(EngineCore(config, model, shape, eos_ids, _detokenizer(tokenizer)), tokenizer, None)
+        self._attach(EngineCore(config, model, shape, eos_ids, detokenizer(tokenizer)), tokenizer, None)
         return self
 
     def _attach(self, core: EngineCore, tokenizer: Any, info: Any) -> None:
@@ -84,7 +84,7 @@ class LLM:
         return [int(t) for t in prompt]
 
 
-def _detokenizer(tokenizer: Any) -> Callable[[list[int]], str] | None:
+def detokenizer(tokenizer: Any) -> Callable[[list[int]], str] | None:
     if tokenizer is None:
         return None
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
