@@ -721,6 +721,29 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
             out["runs"][f"W{w}xG{g}"] = res
             del llm
             _free()
+    if a.sweep_canonical_decode:  # same runs at G=8 with the fast path's attention = the verifier's kernel
+        from engine.attention.triton_paged import TritonPagedAttention
+
+        model = ctx.extras["smol"][1]
+        model.attention = TritonPagedAttention(decode="canonical")
+        try:
+            for w in (16, 32, 64):
+                config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16",
+                                        mode="dvr", window=w, group=8, num_kv_blocks=a.smol_kv_blocks,
+                                        max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192,
+                                        cache_dir=a.cache_dir)
+                llm = smol_llm(ctx, config)
+                prompts = smollm2_prompts(llm.tokenizer, a.sweep_requests)
+                params = SamplingParams(max_tokens=a.sweep_tokens, temperature=0.0, ignore_eos=True,
+                                        deterministic=True, seed=1)
+                res = _drive(llm.core, prompts, params, a.compare_cap_s, f"swc{w}")
+                res["recompute_pct_of_output"] = (100.0 * res["stats"].get("recomputed_tokens", 0)
+                                                  / max(res["committed_tokens"], 1))
+                out["runs"][f"W{w}xG8-canonical-decode"] = res
+                del llm
+                _free()
+        finally:
+            model.attention = TritonPagedAttention()
     return out
 
 
@@ -1040,6 +1063,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-cap-s", type=float, default=60.0)
     p.add_argument("--sweep-requests", type=int, default=128)
     p.add_argument("--sweep-tokens", type=int, default=128)
+    p.add_argument("--no-sweep-canonical-decode", dest="sweep_canonical_decode", action="store_false",
+                   help="skip the W x G=8 runs whose fast path uses the verifier's attention kernel")
     p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
     p.add_argument("--fixed-sets", type=lambda s: [x for x in s.split(",") if x], default=["16x1024x256"],
                    help="extra fixed request sets for compare_modes_synthetic, REQUESTSxPROMPTxOUTPUT "

@@ -216,15 +216,20 @@ class TritonPagedAttention:
     name = "triton"
     kernel_id = KERNEL_ID
 
-    def __init__(self, split_size: int = DECODE_SPLIT_SIZE) -> None:
-        self.split_size = split_size
+    def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split") -> None:
+        """decode="split": the split-KV decode kernel (fast); "canonical": decode queries go through the
+        prefill/verify kernel, so the fast path's attention numerics equal the verifier's."""
+        if decode not in ("split", "canonical"):
+            raise ValueError(f"decode must be 'split' or 'canonical', got {decode!r}")
+        self.split_size, self.decode = split_size, decode
         self._workspaces: dict[tuple, DecodeWorkspace] = {}
         self._retired: list[DecodeWorkspace] = []
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> TritonPlan:
         num_tokens, num_rows = meta.num_tokens, meta.num_rows
-        one_per_row = meta.kind is PassKind.DECODE and num_tokens == num_rows
-        if one_per_row:
+        decode_shape = meta.kind is PassKind.DECODE and num_tokens == num_rows
+        one_per_row = decode_shape and self.decode == "split"
+        if decode_shape:
             max_q = 1
         elif meta.kind is PassKind.VERIFY:
             if num_tokens % num_rows:

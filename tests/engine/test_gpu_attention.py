@@ -134,3 +134,25 @@ def test_decode_cuda_graph_replay_allocates_nothing() -> None:
     step_ref = reference_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
                                    case["seq_lens"], case["block_tables"], d ** -0.5)
     assert _rel_err(out, step_ref) < 1e-2
+
+
+def test_canonical_decode_equals_the_verifier_bitwise() -> None:
+    """decode="canonical": a decode query gets exactly the bits the verify kernel gives that position."""
+    from engine.attention.metadata import AttentionMetadata, PassKind
+
+    h, hkv, d, bs = SHAPES[0]
+    n = 300
+    case = make_paged_case([n], [n], h, hkv, d, bs, torch.bfloat16, DEVICE, seed=7)
+    window = _verify_window(case, 260, 32, d)                      # positions 260..291 as one verify row
+    backend = tp.TritonPagedAttention(decode="canonical")
+    for p in (260, 275, 291):
+        q = case["q"][p:p + 1].contiguous()
+        seq_lens = torch.tensor([p + 1], dtype=torch.int32, device=DEVICE)
+        meta = AttentionMetadata(PassKind.DECODE, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                                 torch.tensor([0, 1], dtype=torch.int32, device=DEVICE), seq_lens,
+                                 case["block_tables"][:1])
+        plan = backend.plan(meta, bs)
+        out = tp.prefill_attention(q, case["k_cache"], case["v_cache"], plan.query_start_loc, plan.seq_lens,
+                                   plan.block_tables, d ** -0.5, plan.max_query_len)
+        assert not plan.one_query_per_row
+        assert torch.equal(out[0], window[p - 260]), f"position {p}"
