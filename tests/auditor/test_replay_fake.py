@@ -86,11 +86,16 @@ async def replay(client: httpx.AsyncClient, transcript_id: str, wait: bool = Tru
 async def until_status(client: httpx.AsyncClient, replay_id: str, statuses: tuple[str, ...],
                        timeout: float = 30) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
+    job: dict[str, Any] = {}
     while time.monotonic() < deadline:
-        job = (await client.get(f"/v1/replays/{replay_id}")).json()
+        response = await client.get(f"/v1/replays/{replay_id}")
+        if response.status_code == 429:  # polling shares the key's rate limit with the test's other calls
+            await asyncio.sleep(float(response.headers.get("Retry-After", "0.5")))
+            continue
+        job = response.json()
         if job["status"] in statuses:
             return job
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.1)
     raise AssertionError(f"replay {replay_id} never reached {statuses}: {job}")
 
 
