@@ -93,10 +93,15 @@ def synthetic(ctx: Ctx) -> Any:
         t0 = time.perf_counter()
         ctx.model = build_synthetic_model(ctx.hf_config, torch.bfloat16, ctx.device, seed=0,
                                           attention_backend="triton")
+        if ctx.args.decode_attention != "split":
+            from engine.attention.triton_paged import TritonPagedAttention
+
+            ctx.model.attention = TritonPagedAttention(decode=ctx.args.decode_attention)
         _sync()
         ctx.weight_bytes = weight_bytes(ctx.model)
         ctx.result["synthetic_model"] = {
             "preset": ctx.args.preset, "layers": ctx.hf_config.num_hidden_layers,
+            "decode_attention": ctx.args.decode_attention,
             "weight_bytes": ctx.weight_bytes, "build_s": round(time.perf_counter() - t0, 2),
         }
     return ctx.model
@@ -1045,6 +1050,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count (quick runs)")
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256, help="keys per row in decode_step / verify_cost")
+    p.add_argument("--decode-attention", default="split", choices=["split", "canonical"],
+                   help="synthetic model's decode attention: split-KV kernel or the verifier's kernel")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
