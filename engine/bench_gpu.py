@@ -72,7 +72,7 @@ def environment(argv: list[str]) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
         "total_memory_gib": round(props.total_memory / 2**30, 1),
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m engine bench --device cuda " + " ".join(argv),
+        "command": "python -m engine.bench_gpu " + " ".join(argv),
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
     }
     for mod in ("triton", "transformers"):
