@@ -52,7 +52,11 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="dvr", choices=[m.value for m in Mode])
     p.add_argument("--window", type=int, default=32, help="verify window W")
     p.add_argument("--group", type=int, default=8, help="verify group G")
-    p.add_argument("--kv-blocks", type=int, default=514, help="KV budget in blocks")
+    p.add_argument("--kv-blocks", type=int, default=None,
+                   help="KV budget in blocks (default: 514 on the CPU, 90%% of free memory on CUDA)")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
+                   help="auto: triton on CUDA, torch on the CPU")
+    p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: graph-captured decode (and verify)")
     p.add_argument("--fault-rate", type=float, default=0.0, help="fast-path fault injection rate")
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
@@ -64,7 +68,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     cfg = EngineConfig(model=a.model, device=a.device, dtype=a.dtype, mode=a.mode, window=a.window, group=a.group,
                        num_kv_blocks=a.kv_blocks, fault_rate=a.fault_rate, fault_seed=a.fault_seed,
-                       num_threads=a.threads)
+                       num_threads=a.threads, attention_backend=a.attention_backend, cuda_graphs=a.cuda_graphs)
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_id, ignore_eos=a.ignore_eos,
                             logprobs=a.logprobs, deterministic=a.deterministic)

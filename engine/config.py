@@ -34,12 +34,15 @@ class EngineConfig:
     window: int = 32                    # W: tokens per verify row
     group: int = 8                      # G: rows per verify pass
     block_size: int = 16
-    num_kv_blocks: int = 514            # KV budget (incl. the 2 reserved blocks)
+    num_kv_blocks: int | None = None    # KV budget (incl. the 2 reserved blocks); None: 514 on the CPU,
+                                        # on CUDA `kv_memory_share` of the memory free after the weights
+    kv_memory_share: float = 0.9        # CUDA only, when num_kv_blocks is None
     max_num_seqs: int = 32              # max running sequences
     max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
     max_model_len: int | None = None    # defaults to the model's context length
-    attention_backend: str = "torch"
-    cuda_graphs: bool = False
+    attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
+    cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
+                                        # when its graph is bit-exact with eager (checked at capture)
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -54,17 +57,25 @@ class EngineConfig:
         _check(self.window >= 2, "window", f"W must be >= 2, got {self.window}")
         _check(self.group >= 1, "group", f"G must be >= 1, got {self.group}")
         _check(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
-        _check(self.num_kv_blocks >= 3, "num_kv_blocks", f"must be >= 3 (2 reserved), got {self.num_kv_blocks}")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 3, "num_kv_blocks",
+               f"must be >= 3 (2 reserved), got {self.num_kv_blocks}")
+        _check(0.0 < self.kv_memory_share <= 1.0, "kv_memory_share", f"must be in (0, 1], got {self.kv_memory_share}")
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
         _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
         if self.mode == Mode.BATCH_INVARIANT:  # the mode fixes the numerics, attention included
-            _check(self.attention_backend in ("torch", "batch_invariant"), "attention_backend",
+            _check(self.attention_backend in ("auto", "torch", "batch_invariant"), "attention_backend",
                    f"mode batch_invariant runs its own attention; leave it unset, got {self.attention_backend!r}")
             object.__setattr__(self, "attention_backend", "batch_invariant")
-        _check(self.attention_backend in ("torch", "batch_invariant"), "attention_backend",
-               f"only 'torch' and 'batch_invariant' exist on this build, got {self.attention_backend!r}")
+        backends = ("auto", "torch", "triton", "flash", "batch_invariant")
+        _check(self.attention_backend in backends, "attention_backend",
+               f"one of {list(backends)}, got {self.attention_backend!r}")
+        on_cuda = self.resolved_device.type == "cuda"
+        if self.attention_backend == "auto":
+            object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
+        _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
+               f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -42,12 +43,13 @@ class EngineStats:
 class EngineCore:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
                  detokenize: Detokenize | None = None) -> None:
-        self.config = config
         self.shape = shape
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
         self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)
         self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+        # the KV budget is resolved once (explicit, CPU default, or sized from free GPU memory)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=self.runner.num_kv_blocks)
         self.scheduler = Scheduler(config, self.eos_ids)
         self.seqs: dict[str, Sequence] = {}
         self.totals = EngineStats()

@@ -54,8 +54,14 @@ class ModelRunner:
         self.model = batch_invariant(model) if config.mode == Mode.BATCH_INVARIANT else model
         self.shape = shape
         self.device = device
-        self.kv = KVCache.allocate(shape.num_layers, config.num_kv_blocks, config.block_size,
+        self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
+        self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
+        self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured
+        self.verify_graph: object | None = None    # engine.cuda_graphs.VerifyGraph when bit-exact
+        self.graphs_status = "eager"
+        if config.cuda_graphs and device.type == "cuda":
+            self._capture_graphs()
 
     @torch.inference_mode()
     def prefill(self, rows: list[Row]) -> torch.Tensor:
@@ -66,6 +72,10 @@ class ModelRunner:
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> torch.Tensor:
         assert all(len(r.tokens) == 1 for r in rows)
+        if self.decode_graphs is not None:
+            logits = self.decode_graphs.run_rows(rows)  # None: batch or block table past the captured sizes
+            if logits is not None:
+                return logits.float().clone()
         hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None)
         return self.model.compute_logits(hidden).float()
 
@@ -74,10 +84,43 @@ class ModelRunner:
         """Exactly G x W tokens; returns [len(rows), W, vocab] (the dummy rows' logits are dropped)."""
         g, w = self.config.group, self.config.window
         assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
+        if self.verify_graph is not None:
+            ids, pos, slots, _starts, lens, tables = self._layout(rows, pad_to=(g, w))
+            if self.verify_graph.stage(ids, pos, slots, lens, tables):
+                return self.verify_graph.replay().float().view(g, w, -1)[: len(rows)].clone()
         hidden, _ = self._forward(PassKind.VERIFY, rows, pad_to=(g, w))
         assert hidden.shape[0] == g * w, hidden.shape
         logits = self.model.compute_logits(hidden).float()  # [G*W, vocab], one fixed GEMM shape
         return logits.view(g, w, -1)[: len(rows)]
+
+    def _capture_graphs(self) -> None:
+        """Decode graphs per padded batch size; the G x W verify graph only if it is bit-exact with the
+        eager pass (a graph that changed committed bits would break the DVR invariants). A capture that
+        fails leaves that pass eager and says why in `graphs_status` (named in the fingerprint)."""
+        from engine.cuda_graphs import DecodeGraphs, VerifyGraph
+
+        max_len = min(self.config.max_model_len or self.shape.max_model_len, self.shape.max_model_len)
+        try:
+            self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs, max_len,
+                                                         SCRATCH_BLOCK)
+            self.graphs_status = "decode"
+        except (ValueError, RuntimeError) as exc:
+            self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
+            return
+        if self.config.mode != Mode.DVR:
+            return
+        try:
+            graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, min(max_len, 4096))
+            graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
+            graph.capture()
+        except (ValueError, RuntimeError) as exc:
+            self.graphs_status += f"; verify eager (capture failed: {type(exc).__name__})"
+            return
+        if graph.bit_exact:
+            self.verify_graph = graph
+            self.graphs_status += "+verify"
+        else:
+            self.graphs_status += "; verify eager (graph not bit-exact)"
 
     def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -125,6 +168,22 @@ class ModelRunner:
             lens.append(row.start_pos + n)
             tables.append(row.block_table or [ZERO_BLOCK])
         return ids, pos, slots, starts, lens, tables
+
+
+CPU_KV_BLOCKS = 514
+
+
+def kv_block_budget(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> int:
+    """config.num_kv_blocks, else on CUDA `kv_memory_share` of the memory free now (after the weights),
+    else CPU_KV_BLOCKS. The KV cache's size follows this budget, never the number of requests."""
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return CPU_KV_BLOCKS
+    from engine.gpu_memory import kv_blocks_for_free_memory, kv_bytes_per_block
+
+    per_block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size, dtype)
+    return kv_blocks_for_free_memory(per_block, config.kv_memory_share, device)
 
 
 def batch_invariant(model: PagedModel) -> PagedModel:

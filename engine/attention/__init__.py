@@ -5,7 +5,7 @@ from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.attention.paging import RowSpec, build_metadata, positions_of
 from engine.attention.torch_backend import AttentionPlan, TorchAttention
 
-BACKEND_NAMES = ("torch", "triton", "batch_invariant")
+BACKEND_NAMES = ("torch", "triton", "flash", "batch_invariant")
 
 
 def get_backend(name: str) -> AttentionBackend:
@@ -16,6 +16,10 @@ def get_backend(name: str) -> AttentionBackend:
         from engine.attention.triton_paged import TritonPagedAttention
 
         return TritonPagedAttention()
+    if name == "flash":
+        from engine.attention.flash import FlashAttention
+
+        return FlashAttention()
     if name == "batch_invariant":
         from engine.attention.batch_invariant import BatchInvariantAttention
 

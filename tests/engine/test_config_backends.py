@@ -1,0 +1,36 @@
+"""EngineConfig's backend / KV-budget fields on the CPU: resolution and clear errors."""
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+
+
+def test_auto_backend_resolves_to_torch_on_cpu() -> None:
+    assert EngineConfig(device="cpu").attention_backend == "torch"
+    assert EngineConfig(device="cpu", mode="batch_invariant").attention_backend == "batch_invariant"
+
+
+@pytest.mark.parametrize("backend", ["triton", "flash"])
+def test_gpu_backends_refused_on_cpu(backend: str) -> None:
+    with pytest.raises(ValueError, match="attention_backend.*CUDA only"):
+        EngineConfig(device="cpu", attention_backend=backend)
+
+
+def test_unknown_backend_named() -> None:
+    with pytest.raises(ValueError, match="attention_backend.*'sdpa'"):
+        EngineConfig(device="cpu", attention_backend="sdpa")
+
+
+@pytest.mark.parametrize("share", [0.0, -0.1, 1.5])
+def test_kv_memory_share_bounds(share: float) -> None:
+    with pytest.raises(ValueError, match="kv_memory_share"):
+        EngineConfig(device="cpu", kv_memory_share=share)
+
+
+def test_cpu_kv_budget_default(tiny_llama_dir) -> None:
+    from engine.llm import LLM
+
+    llm = LLM(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_threads=1))
+    assert llm.config.num_kv_blocks == 514 == llm.core.runner.kv.k[0].shape[0]
+    assert llm.core.runner.graphs_status == "eager"

@@ -1,0 +1,79 @@
+"""EngineConfig's GPU fields on CUDA: graph-captured decode/verify and the KV budget from free memory.
+
+CUDA graphs change how a step is launched, never what it computes: deterministic outputs with
+`cuda_graphs=True` must equal the eager engine's bit for bit (DVR commits only verifier tokens, and the
+verify graph is used only when it matched eager bit for bit at capture).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from engine.config import EngineConfig
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from tests.engine.dvr_cases import assert_same
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime numbers:", "Roses are red,",
+           "Explain photosynthesis in one sentence.", "1, 2, 3, 4,"]
+
+
+@pytest.fixture(scope="module")
+def smol() -> Any:
+    from engine.loader import load_model_source
+    from engine.model_runner import ModelShape
+    from engine.models import arch_from_hf, build_model
+
+    source = load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+    model = build_model(source.hf_config, torch.bfloat16, "cuda", "triton")
+    model.load_weights(source.weights())
+    arch = arch_from_hf(source.hf_config)
+    shape = ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size, source.info.max_model_len)
+    return source, model, shape
+
+
+def make(smol: Any, **cfg: Any) -> LLM:
+    source, model, shape = smol
+    config = EngineConfig(device="cuda", dtype="bfloat16", attention_backend="triton", window=16, group=4,
+                          max_num_seqs=16, **cfg)
+    return LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
+
+
+def run(llm: LLM) -> list[Any]:
+    ids = [llm.tokenizer.encode(p) for p in PROMPTS]
+    det = [SamplingParams(max_tokens=48, temperature=t, seed=7 + i, deterministic=True)
+           for i, t in enumerate([0.0, 0.8] * 3)]
+    fast = [SamplingParams(max_tokens=40, temperature=0.7, seed=100 + i) for i in range(len(ids))]
+    outs = llm.generate(ids + ids, det + fast)
+    return outs[: len(ids)]
+
+
+def test_graphs_do_not_change_committed_bits(smol: Any) -> None:
+    eager = make(smol, num_kv_blocks=400)
+    want = run(eager)
+    graphed = make(smol, num_kv_blocks=400, cuda_graphs=True)
+    status = graphed.core.runner.graphs_status
+    print(f"[graphs] {status}")
+    assert status.startswith("decode"), status
+    got = run(graphed)
+    assert_same(want, got)
+    assert all(o.verify_passes >= 1 for o in got)
+
+
+def test_kv_budget_follows_free_memory(smol: Any) -> None:
+    from engine.gpu_memory import kv_bytes_per_block
+
+    torch.cuda.empty_cache()
+    free_before, _ = torch.cuda.mem_get_info()
+    llm = make(smol, kv_memory_share=0.05)
+    runner = llm.core.runner
+    per_block = kv_bytes_per_block(smol[2].num_layers, smol[2].num_kv_heads, smol[2].head_dim, 16, torch.bfloat16)
+    kv_bytes = runner.num_kv_blocks * per_block
+    print(f"[kv] blocks={runner.num_kv_blocks} bytes={kv_bytes} free_before={free_before}")
+    assert llm.config.num_kv_blocks == runner.num_kv_blocks
+    assert 0.04 * free_before <= kv_bytes <= 0.05 * free_before + per_block
