@@ -102,7 +102,21 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _wants_cuda_bench(argv: list[str]) -> bool:
+    return argv[:1] == ["bench"] and ("--device=cuda" in argv or any(
+        a == "--device" and b == "cuda" for a, b in zip(argv, argv[1:])))
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if _wants_cuda_bench(argv):  # GPU benchmarks live in their own modules (triton imports stay lazy)
+        if "--replay" in argv:
+            from engine.bench_replay_gpu import main as replay_main
+
+            return replay_main(argv[1:])
+        from engine.bench_gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
     a = build_parser().parse_args(argv)
     try:
         return {"generate": cmd_generate, "bench": cmd_bench}[a.command](a)
