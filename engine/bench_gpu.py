@@ -437,8 +437,8 @@ def attach_decode_graphs(llm: Any) -> str:
     runner = llm.core.runner
     if runner.kv.k[0].device.type != "cuda":
         return "no CUDA: eager"
-    if getattr(runner, "graphs", None) is not None:
-        return "model runner has its own graphs"
+    if getattr(runner, "decode_graphs", None) is not None or getattr(runner, "graphs", None) is not None:
+        return f"model runner's own graphs ({getattr(runner, 'graphs_status', '?')})"
     _use_triton(llm)
     try:
         graphs = DecodeGraphs.for_engine(runner.model, runner.kv, llm.config.max_num_seqs,
@@ -464,7 +464,7 @@ def attach_verify_graph(llm: Any) -> str:
     from engine.cuda_graphs import VerifyGraph
 
     runner, cfg = llm.core.runner, llm.config
-    if cfg.mode != Mode.DVR:
+    if cfg.mode != Mode.DVR or getattr(runner, "verify_graph", None) is not None:
         return ""
     vg = VerifyGraph(runner.model, runner.kv, cfg.group, cfg.window, min(llm.core.max_model_len, 4096))
     vg.stage_dummy(SCRATCH_BLOCK * cfg.block_size)
