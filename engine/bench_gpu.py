@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -416,7 +416,8 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
     for label, graphs in (("eager", False), ("decode_graphs", True)):
-        llm = LLM.from_parts(config, model, shape, eos_ids=set())
+        cfg = replace(config, cuda_graphs=graphs) if hasattr(config, "cuda_graphs") else config
+        llm = LLM.from_parts(cfg, model, shape, eos_ids=set())
         if graphs:
             out["graph_hook"] = attach_decode_graphs(llm)
         out[label] = _drive(llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}")
