@@ -40,7 +40,8 @@ def assert_row_invariant(f, x: torch.Tensor, sizes=SIZES) -> torch.Tensor:
 
 
 def assert_close_rel(out: torch.Tensor, ref: torch.Tensor, tol: float) -> None:
-    err = (out.double() - ref).abs().max().item()
+    ref = ref.to(out.device)  # references may be built on the CPU (float64) for CUDA outputs
+    err = (out.double() - ref.double()).abs().max().item()
     scale = ref.abs().max().item()
     assert err <= tol * scale, f"max error {err:.3e} > {tol} x scale {scale:.3e}"
 
