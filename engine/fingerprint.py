@@ -52,6 +52,14 @@ def _nvidia_driver() -> str:
     return parts[0] if parts else first.strip()
 
 
+def _triton_version() -> str:
+    try:
+        import triton
+    except ImportError:
+        return "none"
+    return str(triton.__version__)
+
+
 def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
     """JSON-safe dict of the runtime fields; the same machine, software and config give the same dict."""
     device = config.resolved_device
@@ -71,8 +79,13 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
     if config.mode == Mode.BATCH_INVARIANT:  # the split size and the kernel family fix the reduction order
         fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
         fp["batch_invariant_kernels"] = "triton" if device.type == "cuda" else f"torch-tiles-{TILE_ROWS}"
+    if config.attention_backend == "triton":  # its tile shapes fix the prefill / verify reduction order
+        from engine.attention.triton_paged import KERNEL_ID
+
+        fp["attention_kernel"] = KERNEL_ID
     if device.type == "cuda":
         fp["cuda_version"] = torch.version.cuda or "unknown"
+        fp["triton_version"] = _triton_version()
         fp["driver_version"] = _nvidia_driver()
         fp["device_name"] = torch.cuda.get_device_name(device)
     else:
