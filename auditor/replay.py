@@ -306,7 +306,8 @@ class ReplayService:
     def for_app(cls, app: Any) -> ReplayService:
         existing = getattr(app.state, "replays", None)
         if existing is None:
-            existing = app.state.replays = cls(app.state.services)
+            services = app.state.services
+            existing = app.state.replays = cls(services, max_queued=services.settings.replay_max_queued)
         return existing
 
     # --- submit / read ---------------------------------------------------------------------------

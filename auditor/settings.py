@@ -36,6 +36,8 @@ class Settings:
     max_tokens_limit: int = 4096
     rate_limit_per_second: float = 20.0
     rate_limit_burst: int = 60
+    replay_max_queued: int = 8
+    """Replays one tenant may have queued or running at once; past it, POST .../replay answers 429."""
     log_level: str = "INFO"
     bootstrap_admin: bool = True
     """On first start with no admin key, create one and print it once."""
@@ -49,6 +51,8 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.replay_max_queued < 1:
+            raise ValueError(f"replay_max_queued must be >= 1, got {self.replay_max_queued}")
         if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:
             raise ValueError(
                 f"rate limit must be positive, got {self.rate_limit_per_second}/s burst {self.rate_limit_burst}"

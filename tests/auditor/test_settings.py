@@ -22,6 +22,7 @@ def test_environment_then_flags() -> None:
     ({"VERBATIM_PORT": "x"}, "VERBATIM_PORT"), ({"VERBATIM_PORT": "70000"}, "port"),
     ({"VERBATIM_DETERMINISTIC_DEFAULT": "maybe"}, "VERBATIM_DETERMINISTIC_DEFAULT"),
     ({"VERBATIM_ENGINE_OPTIONS": "[1]"}, "ENGINE_OPTIONS"),
+    ({"VERBATIM_REPLAY_MAX_QUEUED": "0"}, "replay_max_queued"),
 ])
 def test_bad_values_name_the_setting(env: dict[str, str], message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -41,3 +42,12 @@ def test_token_bucket() -> None:
     assert limiter.acquire("other") is None
     now[0] = 0.5
     assert limiter.acquire("k") is None and limiter.acquire("k") is not None
+
+
+def test_replay_queue_limit_reaches_the_replay_service(tmp_path: Path) -> None:
+    from auditor.app import create_app
+    from auditor.replay import ReplayService
+
+    settings = Settings.from_env({"VERBATIM_REPLAY_MAX_QUEUED": "3"}, data_dir=tmp_path, bootstrap_admin=False)
+    app = create_app(settings, engine_loader=lambda _s: None)
+    assert ReplayService.for_app(app).max_queued == 3
