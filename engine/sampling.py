@@ -140,7 +140,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: 
     lp = log_softmax64(logits)
     top = None
     if params.logprobs:
-        ids = np.argsort(-lp, kind="stable")[: params.logprobs]
+        ids = sorted_prefix(lp, params.logprobs)[: params.logprobs]  # == stable argsort prefix, no full sort
         top = {int(i): float(np.float32(lp[i])) for i in ids}
     return SampleResult(token, float(np.float32(lp[token])), top)
 
