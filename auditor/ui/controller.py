@@ -76,6 +76,18 @@ def _replay_json(raw: dict[str, Any]) -> dict[str, Any]:
             "error": raw.get("error"), "summary": summary}
 
 
+async def _replay_call(request: Request[Any, Any, Any], method: str, path: str) -> Response[Any]:
+    """One replay API call for the page's script: the job as ``_replay_json`` shows it, or the error."""
+    session = _session(request)
+    if session is None:
+        return Response({"error": "signed out"}, status_code=401)
+    try:
+        raw = await _client(session, request).json(method, path)
+    except ApiFailure as exc:
+        return Response({"error": exc.message}, status_code=exc.status)
+    return Response(_replay_json(raw), status_code=200)
+
+
 class ConsoleController(Controller):
     path = "/ui"
     include_in_schema = False
@@ -147,25 +159,11 @@ class ConsoleController(Controller):
 
     @post("/transcripts/{transcript_id:str}/replay")
     async def start_replay(self, transcript_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
-        if session is None:
-            return Response({"error": "signed out"}, status_code=401)
-        try:
-            raw = await _client(session, request).json("POST", f"/v1/transcripts/{transcript_id}/replay")
-        except ApiFailure as exc:
-            return Response({"error": exc.message}, status_code=exc.status)
-        return Response(_replay_json(raw), status_code=200)
+        return await _replay_call(request, "POST", f"/v1/transcripts/{transcript_id}/replay")
 
     @get("/replays/{replay_id:str}")
     async def replay_status(self, replay_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
-        if session is None:
-            return Response({"error": "signed out"}, status_code=401)
-        try:
-            raw = await _client(session, request).json("GET", f"/v1/replays/{replay_id}")
-        except ApiFailure as exc:
-            return Response({"error": exc.message}, status_code=exc.status)
-        return Response(_replay_json(raw), status_code=200)
+        return await _replay_call(request, "GET", f"/v1/replays/{replay_id}")
 
     # --- reports --------------------------------------------------------------------------------------
 
