@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -91,3 +92,44 @@ def replay_requests(prompts: list[list[int]], params: list[SamplingParams],
                     outs: list[RequestOutput]) -> list[ReplayRequest]:
     return [ReplayRequest(f"rp{i}", p, o.token_ids, replace(sp, seed=o.seed), o.windows, o.window_shape)
             for i, (p, sp, o) in enumerate(zip(prompts, params, outs))]
+
+
+def load_workload(tokenizer: Any, deterministic: Callable[[int], bool] = lambda i: True,
+                  ) -> tuple[list[tuple[list[int], SamplingParams]], list[list[int]]]:
+    """The issue-5 load test's 64 requests (greedy and sampled) and the prompt pool of their co-traffic;
+    `deterministic(i)` sets request i's flag."""
+    topics = ["the sea", "bread", "Mars", "jazz", "tax law", "bees", "chess", "rain", "Rome", "DNA", "glass"]
+    pool = [list(tokenizer.encode(f"Tell me about {t}. {'Be brief.' if k % 2 else 'Give details and examples.'}"))
+            for k, t in enumerate(topics * 2)]
+    det = []
+    for i in range(64):
+        sampled = i % 2 == 1
+        det.append((pool[i % len(pool)] + [tokenizer.encode(str(i))[0]], SamplingParams(
+            max_tokens=24 + i % 17, temperature=0.8 if sampled else 0.0, top_p=0.95 if i % 4 == 1 else 1.0,
+            seed=10_000 + i, deterministic=deterministic(i),
+            ignore_eos=i % 5 != 0)))
+    return det, pool
+
+
+def load_run(llm: LLM, det: list[tuple[list[int], SamplingParams]], pool: list[list[int]], seed: int,
+             n_other: int = 192) -> list[RequestOutput]:
+    """The `det` requests + `n_other` non-deterministic ones from `pool`, arriving at random steps
+    (arrival order and co-traffic by seed); returns the outputs of `det`, in order."""
+    rng = random.Random(seed)
+    arrivals: list[tuple[int, str, list[int], SamplingParams]] = []
+    for i, (prompt, params) in enumerate(det):
+        arrivals.append((rng.randrange(0, 60), f"d{i}", prompt, params))
+    for j in range(n_other):
+        params = SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0 if j % 3 else 0.7,
+                                seed=rng.randrange(2**63), ignore_eos=True)
+        arrivals.append((rng.randrange(0, 60), f"n{j}", rng.choice(pool), params))
+    rng.shuffle(arrivals)
+    arrivals.sort(key=lambda a: a[0])  # stable: ties keep the shuffled order
+    core, seqs, step = llm.core, {}, 0
+    while arrivals or core.has_work():
+        while arrivals and arrivals[0][0] <= step:
+            _, rid, prompt, params = arrivals.pop(0)
+            seqs[rid] = core.add_request(rid, prompt, params)
+        core.step()
+        step += 1
+    return [core.output(seqs[f"d{i}"]) for i in range(len(det))]

