@@ -182,6 +182,7 @@ class EngineCore:
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         logits = self.runner.verify([Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify])
+        logits = logits.cpu()  # one device->host copy for the pass, not one per row
         for row, lg in zip(plan.verify, logits):  # lg: [W, vocab]
             seq = row.seq
             n = row.num_outputs
