@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from auditor import canonical as cn
 from auditor.crypto import KeyRing, KeyRole
-from auditor.transcript import STATEMENT_TYPE, open_statement, sign_statement
+from auditor.transcript import STATEMENT_TYPE, SignedStatement, open_statement
 
 REPLAY_PREDICATE = "https://verbatim.dev/replay/v1"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -75,27 +74,14 @@ def build_replay_statement(x: ReplayAttestationInputs) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class SignedAttestation:
+@dataclass(frozen=True, kw_only=True)
+class SignedAttestation(SignedStatement):
     replay_id: str
-    statement: dict[str, Any]
-    payload: bytes
-    envelope: dict[str, Any]
-    payload_digest: str
-    envelope_digest: str
-
-    @property
-    def leaf_data(self) -> bytes:
-        """The Merkle log's leaf data: the 32 raw bytes of ``envelope_digest``."""
-        return bytes.fromhex(self.envelope_digest)
 
 
 def sign_replay_attestation(x: ReplayAttestationInputs, keyring: KeyRing) -> SignedAttestation:
     """Build and sign the attestation with the ``replay`` role key."""
-    statement = build_replay_statement(x)
-    payload, envelope = sign_statement(statement, keyring, KeyRole.REPLAY)
-    return SignedAttestation(x.replay_id, statement, payload, envelope,
-                             cn.sha256_hex(payload), cn.envelope_digest(envelope))
+    return SignedAttestation.sign(build_replay_statement(x), keyring, KeyRole.REPLAY, replay_id=x.replay_id)
 
 
 def verify_replay_attestation(envelope: Mapping[str, Any], jwks: Mapping[str, Any],

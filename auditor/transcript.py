@@ -35,7 +35,7 @@ import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Self
 
 from auditor import canonical as cn
 from auditor.crypto import KeyRing, KeyRole, VerifierKey, as_verifier_keys, sign_envelope, verify_envelope
@@ -192,20 +192,35 @@ def build_statement(x: TranscriptInputs) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
-class SignedTranscript:
-    """A signed transcript. Store ``payload`` bytes exactly; ``envelope`` embeds them in base64."""
+class SignedStatement:
+    """A signed in-toto Statement. Store ``payload`` bytes exactly; ``envelope`` embeds them in base64.
 
-    transcript_id: str
+    The digests are derived from ``payload`` and ``envelope`` at construction."""
+
     statement: dict[str, Any]
     payload: bytes
     envelope: dict[str, Any]
-    payload_digest: str
-    envelope_digest: str
+    payload_digest: str = field(init=False)
+    envelope_digest: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "payload_digest", cn.sha256_hex(self.payload))
+        object.__setattr__(self, "envelope_digest", cn.envelope_digest(self.envelope))
+
+    @classmethod
+    def sign(cls, statement: dict[str, Any], keyring: KeyRing, role: KeyRole, **ids: str) -> Self:
+        """Serialize ``statement`` canonically and sign it as DSSE with ``role``'s active key."""
+        return cls(statement, *sign_statement(statement, keyring, role), **ids)
 
     @property
     def leaf_data(self) -> bytes:
         """The Merkle log's leaf data: the 32 raw bytes of ``envelope_digest``."""
         return bytes.fromhex(self.envelope_digest)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SignedTranscript(SignedStatement):
+    transcript_id: str
 
 
 def sign_statement(statement: dict[str, Any], keyring: KeyRing, role: KeyRole) -> tuple[bytes, dict[str, Any]]:
@@ -216,10 +231,7 @@ def sign_statement(statement: dict[str, Any], keyring: KeyRing, role: KeyRole) -
 
 def sign_transcript(x: TranscriptInputs, keyring: KeyRing) -> SignedTranscript:
     """Build, serialize and sign the transcript of ``x`` with the ``transcript`` role key."""
-    statement = build_statement(x)
-    payload, envelope = sign_statement(statement, keyring, KeyRole.TRANSCRIPT)
-    return SignedTranscript(x.transcript_id, statement, payload, envelope,
-                            cn.sha256_hex(payload), cn.envelope_digest(envelope))
+    return SignedTranscript.sign(build_statement(x), keyring, KeyRole.TRANSCRIPT, transcript_id=x.transcript_id)
 
 
 @dataclass(frozen=True)
