@@ -79,6 +79,15 @@ def pg_schema() -> Iterator[tuple[str, str]]:
         asyncio.run(_pg_execute(url, f"DROP SCHEMA {schema} CASCADE"))
 
 
+@pytest.fixture
+async def pg_settings(pg_schema: tuple[str, str], tmp_path: Path) -> Settings:
+    """Settings for a migrated fresh PostgreSQL schema (``pg_schema``) on a free port."""
+    url, schema = pg_schema
+    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
+    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    return settings
+
+
 # --- keys -----------------------------------------------------------------------------------------
 
 
@@ -242,13 +251,10 @@ async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> As
 
 
 @pytest.fixture
-async def real_pg_server(real_engine: tuple[LoopThread, Any], pg_schema: tuple[str, str],
-                         tmp_path: Path) -> AsyncIterator[LiveServer]:
+async def real_pg_server(real_engine: tuple[LoopThread, Any], pg_settings: Settings) -> AsyncIterator[LiveServer]:
     """A fresh PostgreSQL schema and a server on the shared real engine."""
     loop_thread, engine = real_engine
-    url, schema = pg_schema
-    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
-    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    settings = pg_settings
     server = LiveServer(settings, engine)
     server.keys["client"] = await make_key(settings, "acme", "client")
     await asyncio.to_thread(server.start_in, loop_thread)

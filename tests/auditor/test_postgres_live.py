@@ -7,29 +7,24 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
 from auditor import repository
-from auditor.db import migrate
 from auditor.db.session import create_engine
 from auditor.settings import Settings
 from tests.auditor import independent
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, free_port, start_server
+from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, start_server
 from tests.auditor.fake_engine import FakeAsyncEngine
 
 pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-async def pg_server(pg_schema: tuple[str, str], tmp_path: Path) -> AsyncIterator[LiveServer]:
-    url, schema = pg_schema
-    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
-    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
-    server = await start_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+async def pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
+    server = await start_server(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS)
     try:
         yield server
     finally:

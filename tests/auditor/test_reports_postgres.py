@@ -6,17 +6,15 @@ import asyncio
 import datetime as dt
 import json
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import pytest
 from sqlalchemy import text
 
-from auditor.db import migrate
 from auditor.db.session import create_engine, create_sessionmaker
 from auditor.reports import verify_bundle
 from auditor.reports.retention import RetentionPolicy, purge
 from auditor.settings import Settings
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, free_port
+from tests.auditor.conftest import DEFAULT_KEYS, LiveServer
 from tests.auditor.fake_engine import FakeAsyncEngine
 from tests.auditor.reports_server import start_reports_server
 from tests.auditor.test_reports_api import complete, export, unzip
@@ -25,11 +23,8 @@ pytestmark = pytest.mark.postgres
 
 
 @pytest.fixture
-async def pg_server(pg_schema: tuple[str, str], tmp_path: Path) -> AsyncIterator[LiveServer]:
-    url, schema = pg_schema
-    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
-    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
-    server = await start_reports_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+async def pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
+    server = await start_reports_server(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS)
     try:
         yield server
     finally:
