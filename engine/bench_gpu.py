@@ -66,6 +66,20 @@ def time_cuda(fn: Callable[[], Any], reps: int, warmup: int = 2) -> dict[str, fl
     return {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps}
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_wall(fn: Callable[[], Any]) -> tuple[Any, float]:
+    """(fn(), wall-clock seconds), the device synchronized before and after."""
+    _sync()
+    t0 = time.perf_counter()
+    out = fn()
+    _sync()
+    return out, time.perf_counter() - t0
+
+
 def environment(argv: list[str]) -> dict[str, Any]:
     props = torch.cuda.get_device_properties(0)
     env = {
@@ -504,11 +518,6 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def _drive(core: Any, prompts: list[list[int]], params: Any, cap_s: float, tag: str) -> dict[str, Any]:
     seqs = [core.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
     _sync()
@@ -555,11 +564,7 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
         out["prefill_logits_max_abs_diff"] = (ours - theirs).abs().max().item()
         out["prefill_top1_agree"] = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
     static(4)  # warm-up
-    _sync()
-    t0 = time.perf_counter()
-    seqs = static()
-    _sync()
-    total = time.perf_counter() - t0
+    seqs, total = time_wall(static)
     out["static_batch"] = {"seconds": total, "output_tok_per_s": n_req * n_out / total,
                            "generated": int(seqs.shape[1] - n_in)}
     del hf

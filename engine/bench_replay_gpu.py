@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import torch
 
-BLOCK_SIZE = 16
+from engine.bench_gpu import BLOCK_SIZE, time_wall
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -73,19 +72,6 @@ def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
     return LLM.from_parts(config, model, shape, eos_ids=set())
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Any) -> tuple[Any, float]:
-    _sync()
-    t0 = time.perf_counter()
-    out = fn()
-    _sync()
-    return out, time.perf_counter() - t0
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import ReplayRequest
     from engine.sampling import SamplingParams
@@ -97,10 +83,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     params = [SamplingParams(max_tokens=args.tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i,
                              ignore_eos=True, deterministic=True) for i in range(args.transcripts)]
     llm.generate(prompts[:2], params[:2])  # warm-up: Triton compiles, graphs' first replays
-    outs, gen_s = timed(lambda: llm.generate(prompts, params))
+    outs, gen_s = time_wall(lambda: llm.generate(prompts, params))
     requests = [ReplayRequest(f"r{i}", o.prompt_token_ids, o.token_ids, p, o.windows, o.window_shape)
                 for i, (o, p) in enumerate(zip(outs, params))]
-    results, replay_s = timed(lambda: llm.replay(requests))
+    results, replay_s = time_wall(lambda: llm.replay(requests))
     matches = sum(r.first_mismatch is None and r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
                   for r, o in zip(results, outs))
     tokens = sum(len(o.token_ids) for o in outs)
