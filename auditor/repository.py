@@ -7,7 +7,7 @@ import datetime as dt
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import func, select, text
+from sqlalchemy import Select, func, select, text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from auditor.db.models import (
@@ -86,11 +86,8 @@ class TranscriptFilter:
     until: dt.datetime | None = None
 
 
-async def list_transcripts(
-    session: AsyncSession, where: TranscriptFilter, *, after: str | None, limit: int, descending: bool
-) -> list[Transcript]:
-    """One page of a tenant's transcripts ordered by id (UUIDv7: request time); ``limit + 1`` rows
-    are fetched by the caller to learn whether there is more."""
+def select_transcripts(where: TranscriptFilter) -> Select[tuple[Transcript]]:
+    """The tenant's transcripts matching ``where``, unordered: callers add order and paging."""
     query = select(Transcript).where(Transcript.tenant == where.tenant)
     if where.model is not None:
         query = query.where(Transcript.model == where.model)
@@ -102,6 +99,15 @@ async def list_transcripts(
         query = query.where(Transcript.created_at >= where.since)
     if where.until is not None:
         query = query.where(Transcript.created_at < where.until)
+    return query
+
+
+async def list_transcripts(
+    session: AsyncSession, where: TranscriptFilter, *, after: str | None, limit: int, descending: bool
+) -> list[Transcript]:
+    """One page of a tenant's transcripts ordered by id (UUIDv7: request time); ``limit + 1`` rows
+    are fetched by the caller to learn whether there is more."""
+    query = select_transcripts(where)
     if after is not None:
         query = query.where(Transcript.id < after if descending else Transcript.id > after)
     order = Transcript.id.desc() if descending else Transcript.id.asc()
