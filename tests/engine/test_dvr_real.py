@@ -91,10 +91,11 @@ def test_window_starts_from_fault_seeds(make_real_llm, workload, reference) -> N
 def _kv_snapshot(llm, seq) -> list[torch.Tensor]:
     """K and V of every layer at the sequence's positions 0..kv_len-1 (gathered through its block table)."""
     bs = llm.config.block_size
-    table = llm.core.scheduler.blocks.table(seq_key(seq))
-    pos = torch.arange(seq.kv_len)
-    slots = torch.tensor(table)[pos // bs] * bs + pos % bs
     kv = llm.core.runner.kv
+    device = kv.k[0].device  # gather on the cache's device (the CUDA suite reuses this test)
+    table = torch.tensor(llm.core.scheduler.blocks.table(seq_key(seq)), device=device)
+    pos = torch.arange(seq.kv_len, device=device)
+    slots = table[pos // bs] * bs + pos % bs
     return [c.view(-1, *c.shape[2:]).index_select(0, slots).clone() for c in kv.k + kv.v]
 
 

