@@ -28,6 +28,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from auditor.transcript import Status as TranscriptStatus  # the signed statuses are the stored ones
+
 NAMING_CONVENTION = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_N_name)s",
@@ -47,12 +49,6 @@ class Role(str, enum.Enum):
     CLIENT = "client"
     AUDITOR = "auditor"
     ADMIN = "admin"
-
-
-class TranscriptStatus(str, enum.Enum):
-    COMPLETED = "completed"
-    CLIENT_DISCONNECTED = "client_disconnected"
-    ERROR = "error"
 
 
 class LeafKind(str, enum.Enum):
