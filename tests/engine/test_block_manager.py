@@ -8,6 +8,7 @@ import pytest
 from engine.block_manager import BlockManager, OutOfBlocks
 from engine.config import RESERVED_BLOCKS
 from engine.sampling import SamplingParams
+from engine.scheduler import seq_key
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -64,16 +65,23 @@ def test_no_leaks_after_finish_abort_and_preemption(make_mock_llm) -> None:
     det = SamplingParams(max_tokens=20, temperature=0.7, seed=3, deterministic=True, ignore_eos=True)
     fast = SamplingParams(max_tokens=20, temperature=0.7, seed=4, ignore_eos=True)
     seqs = [core.add_request(f"r{i}", [5 + i, 6, 7, 8], det if i % 2 else fast) for i in range(8)]
+
+    def check_owners() -> None:
+        """Only running sequences hold blocks: finished, aborted and preempted (waiting) ones hold none."""
+        core.scheduler.blocks.check()
+        assert set(core.scheduler.blocks.owners()) <= {seq_key(s) for s in core.scheduler.running}
+
     for _ in range(6):
         core.step()
-        core.scheduler.blocks.check()
-    core.abort("r3")
-    core.abort("r4")
+        check_owners()
+    assert core.abort("r3").finish_reason == "abort" and core.abort("r4").finish_reason == "abort"
+    check_owners()
     while core.has_work():
         core.step()
-        core.scheduler.blocks.check()
+        check_owners()
     assert core.scheduler.preemptions > 0, "budget too large to exercise preemption"
     assert all(s.is_finished for s in seqs)
+    assert sum(s.finish_reason == "length" for s in seqs) == 6
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
     assert core.scheduler.blocks.owners() == []
 
