@@ -7,6 +7,7 @@
 * Window chain: ``h_-1 = SHA-256(b"verbatim-windows-v1" ‖ salt)``,
   ``h_k = SHA-256(h_k-1 ‖ u32le start ‖ u32le end ‖ u32le tokens[start:end])`` over output ids.
 * Logprob digest: SHA-256 of the float32 little-endian bytes of the logprobs, in order.
+* Timestamps: RFC 3339 UTC with microseconds and a ``Z`` suffix (``timestamp``).
 * Envelope digest: SHA-256 of the JCS bytes of a DSSE envelope dict (the Merkle log's leaf data).
 
 Digests are lower-case hex strings unless a name says ``_bytes``.
@@ -14,6 +15,7 @@ Digests are lower-case hex strings unless a name says ``_bytes``.
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import struct
 from collections.abc import Sequence
@@ -108,6 +110,16 @@ def seed_to_str(seed: int) -> str:
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed <= U64_MAX:
         raise ValueError(f"seed must be an int in [0, 2^64 - 1], got {seed!r}")
     return str(seed)
+
+
+def timestamp(value: dt.datetime) -> str:
+    """A time as signed: RFC 3339 in UTC with microseconds, ``Z``-suffixed."""
+    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_timestamp(text: str) -> dt.datetime:
+    """The aware UTC datetime of a ``timestamp`` string."""
+    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
 
 
 def envelope_digest(envelope: dict[str, Any]) -> str:

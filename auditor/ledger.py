@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from auditor import merkle, repository
-from auditor.canonical import canonical_json
+from auditor.canonical import canonical_json, parse_timestamp
 from auditor.checkpoint import Checkpoint, sign_checkpoint
 from auditor.crypto import KeyRing, KeyRole
 from auditor.db.models import LeafKind, LogCheckpoint, LogLeaf, Transcript, TranscriptContent
@@ -161,10 +161,6 @@ def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
 
-def _parse_time(text: str) -> dt.datetime:
-    return dt.datetime.fromisoformat(text.replace("Z", "+00:00"))
-
-
 def _transcript_row(x: TranscriptInputs, signed: SignedTranscript, draft: TranscriptDraft, index: int) -> Transcript:
     return Transcript(
         id=x.transcript_id, tenant=x.tenant, sequence=x.sequence, previous_digest=x.previous_digest,
@@ -174,7 +170,7 @@ def _transcript_row(x: TranscriptInputs, signed: SignedTranscript, draft: Transc
         system_fingerprint=draft.system_fingerprint, key_id=signed.envelope["signatures"][0]["keyid"],
         api_key_id=draft.api_key_id, envelope=canonical_json(signed.envelope),
         payload_digest=signed.payload_digest, envelope_digest=signed.envelope_digest, log_index=index,
-        created_at=_parse_time(x.received_at), completed_at=_parse_time(x.completed_at),
+        created_at=parse_timestamp(x.received_at), completed_at=parse_timestamp(x.completed_at),
     )
 
 

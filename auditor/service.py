@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 from engine.sampling import SamplingParams
 
+from auditor.canonical import timestamp
 from auditor.errors import ApiError, bad_request
 from auditor.ledger import Appended, Ledger, TranscriptDraft
 from auditor.metrics import Metrics
@@ -240,7 +241,7 @@ class CompletionService:
         completed_at = dt.datetime.now(dt.UTC)
         inputs = {
             "transcript_id": prepared.transcript_id, "tenant": prepared.tenant, "api": prepared.request.api,
-            "received_at": _rfc3339(prepared.received_at), "completed_at": _rfc3339(completed_at),
+            "received_at": timestamp(prepared.received_at), "completed_at": timestamp(completed_at),
             "status": status,
             "model": ModelInfo(info.name, info.weights_digest, info.tokenizer_digest,
                                info.chat_template_digest, str(info.dtype)),
@@ -253,7 +254,3 @@ class CompletionService:
         }
         return TranscriptDraft(inputs, prepared.api_key_id, self.engine.system_fingerprint(),
                                prepared.request.request_json, prepared.prompt_text, output.text)
-
-
-def _rfc3339(value: dt.datetime) -> str:
-    return value.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
