@@ -1,5 +1,5 @@
-"""Merkle tree: CT known answers, pymerkle (independent implementation), and a naive reference
-written from RFC 9162 §2.1.1 (MTH), §2.1.3.1 (PATH) and §2.1.4.1 (PROOF / SUBPROOF)."""
+"""Merkle tree: CT known answers, pymerkle (independent implementation), and the naive reference
+in ``independent.py`` written from RFC 6962/9162 §2.1 (MTH, PATH, PROOF / SUBPROOF)."""
 
 import hashlib
 import random
@@ -9,49 +9,23 @@ import pytest
 from pymerkle import InmemoryTree
 
 from auditor import merkle as mk
+from tests.auditor import independent as ind
+
+
+def _leaves(d: list[bytes]) -> list[bytes]:
+    return [ind.leaf(x) for x in d]
 
 
 def ref_mth(d: list[bytes]) -> bytes:
-    n = len(d)
-    if n == 0:
-        return hashlib.sha256(b"").digest()
-    if n == 1:
-        return hashlib.sha256(b"\x00" + d[0]).digest()
-    k = 1
-    while k * 2 < n:
-        k *= 2
-    return hashlib.sha256(b"\x01" + ref_mth(d[:k]) + ref_mth(d[k:])).digest()
-
-
-def _k(n: int) -> int:
-    k = 1
-    while k * 2 < n:
-        k *= 2
-    return k
+    return ind.mth(_leaves(d))
 
 
 def ref_path(m: int, d: list[bytes]) -> list[bytes]:
-    n = len(d)
-    if n == 1:
-        return []
-    k = _k(n)
-    if m < k:
-        return ref_path(m, d[:k]) + [ref_mth(d[k:])]
-    return ref_path(m - k, d[k:]) + [ref_mth(d[:k])]
-
-
-def ref_subproof(m: int, d: list[bytes], b: bool) -> list[bytes]:
-    n = len(d)
-    if m == n:
-        return [] if b else [ref_mth(d)]
-    k = _k(n)
-    if m <= k:
-        return ref_subproof(m, d[:k], b) + [ref_mth(d[k:])]
-    return ref_subproof(m - k, d[k:], False) + [ref_mth(d[:k])]
+    return ind.path(m, _leaves(d))
 
 
 def ref_proof(m: int, d: list[bytes]) -> list[bytes]:
-    return ref_subproof(m, d, True)
+    return ind.proof(m, _leaves(d))
 
 
 CT_LEAVES = ["", "00", "10", "2021", "3031", "40414243", "5051525354555657", "606162636465666768696a6b6c6d6e6f"]
