@@ -117,10 +117,6 @@ async def list_transcripts(
 # --- the log ---------------------------------------------------------------------------------------
 
 
-async def log_size(session: AsyncSession) -> int:
-    return int((await session.scalar(select(func.count()).select_from(LogLeaf))) or 0)
-
-
 async def leaf_hashes(session: AsyncSession, start: int, end: int | None = None) -> list[bytes]:
     """Leaf hashes with ``start <= index < end``, in index order."""
     query = select(LogLeaf.index, LogLeaf.leaf_hash).where(LogLeaf.index >= start)
