@@ -56,6 +56,7 @@ def test_window_starts_move_but_output_does_not(make_mock_llm, workload) -> None
     prompts, params = workload
     runs = [make_mock_llm(fault_rate=0.3, fault_seed=s).generate(prompts, params) for s in (1, 2)]
     assert_same(runs[0], runs[1])
+    assert_same(runs[0], make_mock_llm().generate(prompts, params))  # and both equal the fault-free run
     assert [o.windows for o in runs[0]] != [o.windows for o in runs[1]]
 
 
