@@ -9,7 +9,7 @@ import secrets
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -122,10 +122,11 @@ class LoopThread:
 
 @dataclass
 class LiveServer:
-    """``create_app(settings)`` under uvicorn in a thread with its own event loop."""
+    """``create_app(settings, routes=routes)`` under uvicorn in a thread with its own event loop."""
 
     settings: Settings
     engine: Any
+    routes: Sequence[Any] = ()
     app: Any = None
     _server: uvicorn.Server | None = None
     _thread: threading.Thread | None = None
@@ -142,7 +143,7 @@ class LiveServer:
     _future: Any = None
 
     def _make_server(self) -> uvicorn.Server:
-        self.app = create_app(self.settings, engine=self.engine)
+        self.app = create_app(self.settings, engine=self.engine, routes=self.routes)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
                                 lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
@@ -186,12 +187,19 @@ class LiveServer:
         return httpx.AsyncClient(base_url=self.url, headers=headers, timeout=120)
 
 
-async def start_server(settings: Settings, engine: Any, tenants: dict[str, str] | None = None) -> LiveServer:
-    """Start a server and create one key per (name → 'tenant:role') entry of ``tenants``."""
-    server = LiveServer(settings, engine)
-    for name, spec in (tenants or {"client": "acme:client"}).items():
+async def add_keys(server: LiveServer, tenants: dict[str, str]) -> None:
+    """Create one key per (name → 'tenant:role') entry of ``tenants`` into ``server.keys``."""
+    for name, spec in tenants.items():
         tenant, role = spec.split(":")
-        server.keys[name] = await make_key(settings, tenant, role)
+        server.keys[name] = await make_key(server.settings, tenant, role)
+
+
+async def start_server(settings: Settings, engine: Any, tenants: dict[str, str] | None = None, *,
+                       routes: Sequence[Any] = ()) -> LiveServer:
+    """Start a server (``routes`` mounted beside the defaults) and create one key per
+    (name → 'tenant:role') entry of ``tenants``."""
+    server = LiveServer(settings, engine, routes)
+    await add_keys(server, {"client": "acme:client"} if tenants is None else tenants)
     await asyncio.to_thread(server.start)
     return server
 

@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import LiveServer, LoopThread, sqlite_settings
-from tests.auditor.reports_server import ReportsLiveServer, add_keys
+from tests.auditor.conftest import LiveServer, LoopThread, add_keys, sqlite_settings
+from tests.auditor.reports_server import extra_routes
 from tests.auditor.test_reports_api import export, unzip
 
 pytestmark = pytest.mark.slow
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 async def real_reports_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncIterator[LiveServer]:
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = ReportsLiveServer(settings, engine)
+    server = LiveServer(settings, engine, extra_routes())
     await add_keys(server, {"client": "acme:client", "auditor": "acme:auditor"})
     await asyncio.to_thread(server.start_in, loop_thread)
     try:
