@@ -38,7 +38,7 @@ from enum import StrEnum
 from typing import Any, Self
 
 from auditor import canonical as cn
-from auditor.crypto import KeyRing, KeyRole, VerifierKey, as_verifier_keys, sign_envelope, verify_envelope
+from auditor.crypto import KeyRing, KeyRole, sign_envelope, verify_envelope
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 PAYLOAD_TYPE = "application/vnd.in-toto+json"
@@ -260,8 +260,7 @@ class TranscriptVerification:
 def open_statement(envelope: Mapping[str, Any], jwks: Mapping[str, Any], predicate_type: str,
                    role: KeyRole) -> tuple[bytes, dict[str, Any]]:
     """Verify ``envelope`` (exact payload bytes) and parse its Statement; raises on any failure."""
-    keys: dict[str, VerifierKey] = as_verifier_keys(jwks)
-    payload = verify_envelope(envelope, keys, payload_type=PAYLOAD_TYPE, role=role)
+    payload = verify_envelope(envelope, jwks, payload_type=PAYLOAD_TYPE, role=role)
     statement = _parse_statement(payload)
     if statement.get("_type") != STATEMENT_TYPE or statement.get("predicateType") != predicate_type:
         raise ValueError(f"statement type {statement.get('_type')!r} / predicateType "
