@@ -9,21 +9,13 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from auditor.db.models import AccessLogEntry, LogLeaf, ReplayJob, Transcript, TranscriptContent
-from auditor.repository import TranscriptFilter
+from auditor.repository import TranscriptFilter, select_transcripts
 
 
 async def transcripts(session: AsyncSession, where: TranscriptFilter) -> list[Transcript]:
     """Every transcript of the tenant matching ``where``, in log order."""
-    query = select(Transcript).where(Transcript.tenant == where.tenant)
-    if where.model is not None:
-        query = query.where(Transcript.model == where.model)
-    if where.deterministic is not None:
-        query = query.where(Transcript.deterministic == where.deterministic)
-    if where.since is not None:
-        query = query.where(Transcript.created_at >= where.since)
-    if where.until is not None:
-        query = query.where(Transcript.created_at < where.until)
-    return list((await session.scalars(query.order_by(Transcript.log_index))).all())
+    query = select_transcripts(where).order_by(Transcript.log_index)
+    return list((await session.scalars(query)).all())
 
 
 async def contents(session: AsyncSession, transcript_ids: Sequence[str]) -> dict[str, TranscriptContent]:
