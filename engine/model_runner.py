@@ -126,16 +126,14 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
         ids, pos, slots, starts, lens, tables = self._layout(rows, pad_to)
         width = max(len(t) for t in tables)
-        table = torch.full((len(tables), width), ZERO_BLOCK, dtype=torch.int32)
-        for r, t in enumerate(tables):
-            table[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
         dev = self.device
         meta = AttentionMetadata(
             kind=kind,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=table.to(dev),
+            block_tables=torch.tensor([t + [ZERO_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int32,
+                                      device=dev),
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         positions = torch.tensor(pos, dtype=torch.long, device=dev)
