@@ -21,7 +21,7 @@ from auditor.crypto import KeyRing
 from auditor.db.models import AccessAction, AccessLogEntry, Transcript
 from auditor.errors import not_found
 from auditor.ledger import Ledger
-from auditor.repository import TranscriptFilter, utc
+from auditor.repository import TranscriptFilter, iso_utc
 from auditor.verify import bundle_entry, content_fields, verify_document
 
 MAX_PAGE = 100
@@ -34,14 +34,10 @@ def summary(row: Transcript) -> dict[str, Any]:
         "api": row.api, "model": row.model, "deterministic": row.deterministic, "status": row.status,
         "finish_reason": row.finish_reason, "seed": row.seed, "prompt_tokens": row.prompt_tokens,
         "completion_tokens": row.completion_tokens, "system_fingerprint": row.system_fingerprint,
-        "created_at": _iso(row.created_at), "completed_at": _iso(row.completed_at), "log_index": row.log_index,
+        "created_at": iso_utc(row.created_at), "completed_at": iso_utc(row.completed_at), "log_index": row.log_index,
         "payload_digest": row.payload_digest, "envelope_digest": row.envelope_digest,
         "replayable": row.deterministic,
     }
-
-
-def _iso(value: dt.datetime) -> str:
-    return utc(value).isoformat().replace("+00:00", "Z")
 
 
 async def record_access(session: AsyncSession, principal: Principal, action: AccessAction, target: str) -> None:

@@ -25,6 +25,11 @@ def utc(value: dt.datetime) -> dt.datetime:
     return value if value.tzinfo is not None else value.replace(tzinfo=dt.UTC)
 
 
+def iso_utc(value: dt.datetime) -> str:
+    """A stored time as RFC 3339 UTC with a ``Z`` (microseconds kept when present)."""
+    return utc(value).astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+
+
 # --- append lock -------------------------------------------------------------------------------
 
 
