@@ -214,7 +214,7 @@ class EngineCore:
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params
-        if token in (p.stop_token_ids or ()) or (not p.ignore_eos and token in self.eos_ids):
+        if p.is_stop_token(token, self.eos_ids):
             return FinishReason.STOP
         if p.stop and self.detokenize is not None and _stop_at(self.detokenize(seq.tokens), p.stop) is not None:
             return FinishReason.STOP

@@ -35,6 +35,10 @@ class SamplingParams:
     logprobs: int | None = None             # number of top logprobs per token, when set
     deterministic: bool = False
 
+    def is_stop_token(self, token: int, eos_ids: set[int]) -> bool:
+        """The token ends the request: one of stop_token_ids, or an EOS id unless ignore_eos."""
+        return token in (self.stop_token_ids or ()) or (not self.ignore_eos and token in eos_ids)
+
     def validate(self) -> None:
         """Raise ValueError naming the field and its limit (context limits are checked by the engine)."""
         _need(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")

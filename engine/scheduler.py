@@ -164,11 +164,7 @@ def candidate_done(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
     """A DVR row is ready: W-1 candidates, or the fast path says it finished (EOS / stop id / max_tokens)."""
     if len(seq.candidates) >= seq.max_candidates(window):
         return True
-    if not seq.candidates:
-        return False
-    last = seq.candidates[-1]
-    stops = set(seq.params.stop_token_ids or ())
-    return last in stops or (not seq.params.ignore_eos and last in eos_ids)
+    return bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
 
 
 def needs_verify(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
