@@ -25,9 +25,8 @@ from auditor import canonical as cn
 from auditor.attestation import verify_replay_attestation
 from auditor.verify import verify_document
 from engine.replay import ReplayRequest, ReplayResult, check_replay
-from auditor.db import migrate
 from auditor.settings import Settings
-from tests.auditor.conftest import (DEFAULT_KEYS, LiveServer, _pg_execute, free_port, sqlite_settings, start_server,
+from tests.auditor.conftest import (DEFAULT_KEYS, LiveServer, _pg_execute, sqlite_settings, start_server,
                                      with_port)
 from tests.auditor.fake_engine import FakeAsyncEngine, RequestOutput
 
@@ -328,10 +327,10 @@ async def test_job_running_at_shutdown_is_rerun_after_restart(tmp_path: Path) ->
 # --- PostgreSQL ------------------------------------------------------------------------------------------
 
 
-async def test_replay_on_postgresql_match_mismatch_and_requeue(pg_schema: tuple[str, str], tmp_path: Path) -> None:
+async def test_replay_on_postgresql_match_mismatch_and_requeue(pg_schema: tuple[str, str],
+                                                               pg_settings: Settings) -> None:
     url, schema = pg_schema
-    settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
-    await asyncio.to_thread(migrate.upgrade, url, schema=schema)
+    settings = pg_settings
     engine = ReplayFakeEngine()
     live = await start_server(settings, engine, DEFAULT_KEYS)
     try:
