@@ -16,7 +16,7 @@ import threading
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,7 +26,7 @@ from engine.core import EngineCore, EngineStats
 from engine.fingerprint import runtime_fingerprint, system_fingerprint
 from engine.llm import detokenizer
 from engine.model_runner import LoadedModel, load_model
-from engine.replay import ReplayRequest, ReplayResult, check_replay, replay_result
+from engine.replay import ReplayRequest, ReplayResult, replay_results, validate_replays
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence, SeqKind
 
@@ -131,9 +131,7 @@ class AsyncEngine:
 
     async def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
         """Teacher-forced re-execution of recorded windows; replays share G x W verify passes."""
-        for req in requests:
-            check_replay(req, self.config.group, self.config.window)
-            self.validate(req.prompt_token_ids, req.params)
+        validate_replays(self.core, requests)
         if not requests:
             return []
         loop = asyncio.get_running_loop()
@@ -215,8 +213,8 @@ class AsyncEngine:
         done = [j for j in self._replays if all(s.is_finished for s in j.seqs)]
         for job in done:
             self._replays.remove(job)
-            results = [replace_id(replay_result(r, s), r.replay_id) for r, s in zip(job.requests, job.seqs)]
-            job.loop.call_soon_threadsafe(_resolve, job.future, results)
+            # replay_results reports each request's own replay_id, not the engine-internal sequence id
+            job.loop.call_soon_threadsafe(_resolve, job.future, replay_results(job.requests, job.seqs))
 
     def _push(self, rid: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(rid)
@@ -240,10 +238,6 @@ class AsyncEngine:
         for job in self._replays:
             job.loop.call_soon_threadsafe(_reject, job.future, RuntimeError(f"engine step failed: {exc!r}"))
         self._replays.clear()
-
-
-def replace_id(result: ReplayResult, replay_id: str) -> ReplayResult:
-    return replace(result, replay_id=replay_id)
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:

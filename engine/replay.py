@@ -57,10 +57,15 @@ def check_replay(req: ReplayRequest, group: int, window: int) -> None:
         raise ValueError(f"windows: cover [1, {expect}) but the record has {len(req.token_ids)} tokens")
 
 
-def add_replays(core: EngineCore, requests: list[ReplayRequest]) -> list[Sequence]:
-    for req in requests:  # validate all before queueing any
+def validate_replays(core: EngineCore, requests: list[ReplayRequest]) -> None:
+    """ValueError for the first record this engine cannot replay; call before queueing any."""
+    for req in requests:
         check_replay(req, core.config.group, core.config.window)
         core.validate(req.prompt_token_ids, req.params)
+
+
+def add_replays(core: EngineCore, requests: list[ReplayRequest]) -> list[Sequence]:
+    validate_replays(core, requests)
     return [core.add_replay(r.replay_id, r.prompt_token_ids, r.token_ids, r.params, r.windows)
             for r in requests]
 
