@@ -61,7 +61,6 @@ class Sequence:
     pending_windows: deque[tuple[int, int]] = field(default_factory=deque)  # teacher-forced, in order
     replay: ReplayState | None = None
     finish_reason: FinishReason | None = None
-    text: str = ""
     verify_passes: int = 0
     rollbacks: int = 0
     recomputed_tokens: int = 0
