@@ -91,10 +91,6 @@ class EngineConfig:
             return torch.float32 if self.resolved_device.type == "cpu" else torch.bfloat16
         return _DTYPES[self.dtype]
 
-    @property
-    def usable_kv_blocks(self) -> int:
-        return self.num_kv_blocks - RESERVED_BLOCKS
-
 
 RESERVED_BLOCKS = 2
 ZERO_BLOCK = 0     # block-table padding points here; never written, stays zero
