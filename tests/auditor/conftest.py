@@ -195,12 +195,15 @@ async def add_keys(server: LiveServer, tenants: dict[str, str]) -> None:
 
 
 async def start_server(settings: Settings, engine: Any, tenants: dict[str, str] | None = None, *,
-                       routes: Sequence[Any] = ()) -> LiveServer:
-    """Start a server (``routes`` mounted beside the defaults) and create one key per
-    (name → 'tenant:role') entry of ``tenants``."""
+                       routes: Sequence[Any] = (), loop_thread: LoopThread | None = None) -> LiveServer:
+    """Start a server (``routes`` mounted beside the defaults; on ``loop_thread``'s loop when given, else
+    in a thread of its own) and create one key per (name → 'tenant:role') entry of ``tenants``."""
     server = LiveServer(settings, engine, routes)
     await add_keys(server, {"client": "acme:client"} if tenants is None else tenants)
-    await asyncio.to_thread(server.start)
+    if loop_thread is None:
+        await asyncio.to_thread(server.start)
+    else:
+        await asyncio.to_thread(server.start_in, loop_thread)
     return server
 
 
@@ -249,9 +252,7 @@ async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> As
     """A fresh SQLite database and a server on the shared real engine."""
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = LiveServer(settings, engine)
-    server.keys["client"] = await make_key(settings, "acme", "client")
-    await asyncio.to_thread(server.start_in, loop_thread)
+    server = await start_server(settings, engine, loop_thread=loop_thread)
     try:
         yield server
     finally:
@@ -262,10 +263,7 @@ async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> As
 async def real_pg_server(real_engine: tuple[LoopThread, Any], pg_settings: Settings) -> AsyncIterator[LiveServer]:
     """A fresh PostgreSQL schema and a server on the shared real engine."""
     loop_thread, engine = real_engine
-    settings = pg_settings
-    server = LiveServer(settings, engine)
-    server.keys["client"] = await make_key(settings, "acme", "client")
-    await asyncio.to_thread(server.start_in, loop_thread)
+    server = await start_server(pg_settings, engine, loop_thread=loop_thread)
     try:
         yield server
     finally:

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import LiveServer, LoopThread, add_keys, sqlite_settings
+from tests.auditor.conftest import LiveServer, LoopThread, sqlite_settings, start_server
 from tests.auditor.reports_server import extra_routes
 from tests.auditor.test_reports_api import export, unzip
 
@@ -24,9 +24,8 @@ pytestmark = pytest.mark.slow
 async def real_reports_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncIterator[LiveServer]:
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = LiveServer(settings, engine, extra_routes())
-    await add_keys(server, {"client": "acme:client", "auditor": "acme:auditor"})
-    await asyncio.to_thread(server.start_in, loop_thread)
+    server = await start_server(settings, engine, {"client": "acme:client", "auditor": "acme:auditor"},
+                                routes=extra_routes(), loop_thread=loop_thread)
     try:
         yield server
     finally:

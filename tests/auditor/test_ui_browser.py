@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import LiveServer, LoopThread, add_keys, sqlite_settings
+from tests.auditor.conftest import LiveServer, LoopThread, sqlite_settings, start_server
 from tests.auditor.reports_server import extra_routes
 
 CHROMIUM = "/usr/bin/chromium"
@@ -45,9 +45,8 @@ async def console(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncI
     """The app with the report routes and the console on the shared real engine, a fresh SQLite DB."""
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = LiveServer(settings, engine, extra_routes())
-    await add_keys(server, {"auditor": "acme:auditor", "client": "acme:client"})
-    await asyncio.to_thread(server.start_in, loop_thread)
+    server = await start_server(settings, engine, {"auditor": "acme:auditor", "client": "acme:client"},
+                                routes=extra_routes(), loop_thread=loop_thread)
     try:
         yield server
     finally:
