@@ -126,7 +126,7 @@ def keep_mask(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
 
 
 def log_softmax64(row: np.ndarray) -> np.ndarray:
-    x = row.astype(np.float64)
+    x = row.astype(np.float64, copy=False)
     m = x.max()
     return x - (m + np.log(np.exp(x - m).sum()))
 
@@ -134,14 +134,15 @@ def log_softmax64(row: np.ndarray) -> np.ndarray:
 def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: int) -> SampleResult:
     """Sample the token at absolute `position` from one float32 logits row [vocab]."""
     assert logits.dtype == np.float32 and logits.ndim == 1, (logits.dtype, logits.shape)
+    x64 = logits.astype(np.float64)  # widened once: shared by the Gumbel draw and the log-softmax
     if params.temperature == 0:
         token = int(np.argmax(logits))
     else:
-        scaled = logits.astype(np.float64) / params.temperature
+        scaled = x64 / params.temperature
         if params.top_k or params.top_p < 1.0:  # the masks sort the vocab: only pay when asked
             scaled = np.where(keep_mask(scaled, params.top_k, params.top_p), scaled, -np.inf)
         token = int(np.argmax(scaled + gumbel(seed, position, logits.shape[0])))
-    lp = log_softmax64(logits)
+    lp = log_softmax64(x64)
     top = None
     if params.logprobs:
         ids = sorted_prefix(lp, params.logprobs)[: params.logprobs]  # == stable argsort prefix, no full sort
