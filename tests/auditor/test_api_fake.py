@@ -371,12 +371,21 @@ async def test_list_filters_and_pagination(fake_server: LiveServer) -> None:
                                                              "after": page2["last_id"]})).json()
         nondet = (await client.get("/v1/transcripts", params={"deterministic": "false"})).json()["data"]
         later = (await client.get("/v1/transcripts", params={"since": "2999-01-01T00:00:00Z"})).json()["data"]
+        window = (await client.get("/v1/transcripts", params={"since": "2000-01-01T00:00:00Z",
+                                                              "until": "2999-01-01T00:00:00Z"})).json()["data"]
+        earlier = (await client.get("/v1/transcripts", params={"until": "2000-01-01T00:00:00Z"})).json()["data"]
+        completed = (await client.get("/v1/transcripts", params={"status": "completed"})).json()["data"]
+        errored = (await client.get("/v1/transcripts", params={"status": "error"})).json()["data"]
+        newest_first = (await client.get("/v1/transcripts", params={"order": "desc"})).json()["data"]
         by_model = (await client.get("/v1/transcripts", params={"model": "other"})).json()["data"]
     assert len(everything) == 5
     assert [t["id"] for t in page1["data"] + page2["data"] + page3["data"]] == [t["id"] for t in everything]
     assert page1["has_more"] and page2["has_more"] and not page3["has_more"]
     assert len(nondet) == 2 and all(not t["deterministic"] for t in nondet)
     assert later == [] and by_model == []
+    assert [t["id"] for t in window] == [t["id"] for t in newest_first] and earlier == []
+    assert len(completed) == 5 and errored == []
+    assert [t["id"] for t in newest_first] == [t["id"] for t in reversed(everything)]
 
 
 async def test_engine_failure_records_committed_tokens_with_status_error(tmp_path: Path) -> None:
