@@ -166,12 +166,17 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=verify)
 
 
-def load_jwks(source: str | None, settings: Settings) -> dict[str, Any]:
-    if source and source.startswith(("http://", "https://")):
+def read_jwks(source: str) -> dict[str, Any]:
+    """A JWKS document from a file path or an http(s) URL."""
+    if source.startswith(("http://", "https://")):
         with urllib.request.urlopen(source, timeout=30) as response:  # noqa: S310 - explicit user URL
             return json.loads(response.read())
+    return json.loads(Path(source).read_text())
+
+
+def load_jwks(source: str | None, settings: Settings) -> dict[str, Any]:
     if source:
-        return json.loads(Path(source).read_text())
+        return read_jwks(source)
     if not (settings.keys_dir / "manifest.json").exists():
         raise FileNotFoundError(f"no --jwks given and no key ring at {settings.keys_dir}")
     from auditor.crypto import KeyRing

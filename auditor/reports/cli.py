@@ -114,20 +114,11 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(run=verify_bundle_command)
 
 
-def _load_jwks(source: str) -> dict[str, Any]:
-    if source.startswith(("http://", "https://")):
-        import urllib.request
-
-        with urllib.request.urlopen(source, timeout=30) as response:  # noqa: S310 - explicit user URL
-            return json.loads(response.read())
-    return json.loads(Path(source).read_text())
-
-
 def verify_bundle_command(args: argparse.Namespace) -> int:
     from auditor.reports.verify_bundle import verify_bundle
 
     try:
-        jwks = _load_jwks(args.jwks) if args.jwks else None
+        jwks = _base().read_jwks(args.jwks) if args.jwks else None
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the JWKS: {exc}", file=sys.stderr)
         return 2
