@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
@@ -28,14 +30,23 @@ def _empty(ax: object, text: str) -> None:
     ax.set_yticks([])  # type: ignore[attr-defined]
 
 
+def _chart(height: float, title: str, empty_text: str | None, draw: Callable[[Any], None]) -> bytes:
+    """One figure: ``empty_text`` centred when there is no data (not ``None``), else ``draw(ax)``."""
+    fig = Figure(figsize=(6.4, height))
+    ax = fig.add_subplot()
+    if empty_text is not None:
+        _empty(ax, empty_text)
+    else:
+        draw(ax)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return _png(fig)
+
+
 def volume_chart(stats: ReportStats) -> bytes:
     """Transcripts per day, deterministic stacked under non-deterministic."""
-    fig = Figure(figsize=(6.4, 2.8))
-    ax = fig.add_subplot()
-    days = list(stats.by_day)
-    if not days:
-        _empty(ax, "no transcripts in the period")
-    else:
+    def draw(ax: Any) -> None:
+        days = list(stats.by_day)
         det = [stats.by_day[d][0] for d in days]
         non = [stats.by_day[d][1] for d in days]
         ax.bar(days, det, color=DET_COLOR, label="deterministic")
@@ -44,43 +55,33 @@ def volume_chart(stats: ReportStats) -> bytes:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.legend(frameon=False, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         ax.tick_params(axis="x", labelrotation=30, labelsize=8)
-    ax.set_title("Completions per day", fontsize=10)
-    fig.tight_layout()
-    return _png(fig)
+
+    return _chart(2.8, "Completions per day", None if stats.by_day else "no transcripts in the period", draw)
 
 
 def rollback_chart(stats: ReportStats) -> bytes:
     """Histogram of per-transcript DVR rollback rates (rollbacks per verify pass)."""
-    fig = Figure(figsize=(6.4, 2.8))
-    ax = fig.add_subplot()
-    if not stats.rollback_rates:
-        _empty(ax, "no deterministic transcripts with verify passes")
-    else:
+    def draw(ax: Any) -> None:
         ax.hist(stats.rollback_rates, bins=[i / 10 for i in range(11)], color=DET_COLOR, edgecolor="white")
         ax.set_xlabel("rollbacks per verify pass")
         ax.set_ylabel("transcripts")
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlim(0, 1)
-    ax.set_title("DVR rollback rate per deterministic transcript", fontsize=10)
-    fig.tight_layout()
-    return _png(fig)
+
+    return _chart(2.8, "DVR rollback rate per deterministic transcript",
+                  None if stats.rollback_rates else "no deterministic transcripts with verify passes", draw)
 
 
 def replay_chart(stats: ReportStats) -> bytes:
     """Replay outcomes by verdict (or job status while unfinished)."""
-    fig = Figure(figsize=(6.4, 2.4))
-    ax = fig.add_subplot()
-    if not stats.replay_outcomes:
-        _empty(ax, "no replays of these transcripts")
-    else:
+    def draw(ax: Any) -> None:
         names = list(stats.replay_outcomes)
         colors = [DET_COLOR if n == "match" else ACCENT for n in names]
         ax.barh(names, [stats.replay_outcomes[n] for n in names], color=colors)
         ax.set_xlabel("replays")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_title("Replay outcomes", fontsize=10)
-    fig.tight_layout()
-    return _png(fig)
+
+    return _chart(2.4, "Replay outcomes", None if stats.replay_outcomes else "no replays of these transcripts", draw)
 
 
 def all_charts(stats: ReportStats) -> dict[str, bytes]:
