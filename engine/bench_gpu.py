@@ -430,10 +430,9 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = {}
     for label, graphs in (("eager", False), ("decode_graphs", True)):
-        cfg = replace(config, cuda_graphs=graphs) if hasattr(config, "cuda_graphs") else config
-        llm = LLM.from_parts(cfg, model, shape, eos_ids=set())
+        llm = LLM.from_parts(replace(config, cuda_graphs=graphs), model, shape, eos_ids=set())
         if graphs:
-            out["graph_hook"] = attach_decode_graphs(llm)
+            out["graph_hook"] = llm.core.runner.graphs_status
         out[label] = _drive(llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}")
         del llm
         _free()
@@ -441,72 +440,12 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def attach_decode_graphs(llm: Any) -> str:
-    """Route the engine's decode steps through DecodeGraphs (what `EngineConfig.cuda_graphs` is for).
-
-    The bench wraps the runner's `decode` here because the model runner does not call the graphs itself
-    yet; the wrapper is the whole hook (graphs for the padded batch, eager when a row is too long)."""
-    from engine.config import SCRATCH_BLOCK
-    from engine.cuda_graphs import DecodeGraphs
-
-    runner = llm.core.runner
-    if runner.kv.k[0].device.type != "cuda":
-        return "no CUDA: eager"
-    if getattr(runner, "decode_graphs", None) is not None or getattr(runner, "graphs", None) is not None:
-        return f"model runner's own graphs ({getattr(runner, 'graphs_status', '?')})"
-    _use_triton(llm)
-    try:
-        graphs = DecodeGraphs.for_engine(runner.model, runner.kv, llm.config.max_num_seqs,
-                                         llm.core.max_model_len, SCRATCH_BLOCK)
-    except (ValueError, RuntimeError) as exc:  # e.g. an attention plan that syncs: stay eager, say so
-        return f"eager (decode graphs failed: {exc!r:.200})"
-    eager = runner.decode
-
-    def decode(rows: list[Any]) -> torch.Tensor:
-        logits = graphs.run_rows(rows)
-        return eager(rows) if logits is None else logits.clone()
-
-    runner.decode = decode
-    runner.graphs = graphs
-    return f"bench wrapper, {len(graphs.graphs)} decode graphs" + attach_verify_graph(llm)
-
-
-def attach_verify_graph(llm: Any) -> str:
-    """Route the engine's G x W verify passes through one VerifyGraph, if it is bit-exact with eager.
-
-    Uses the runner's own token layout (`_layout`), so the graph sees exactly the eager pass's inputs."""
-    from engine.config import Mode, SCRATCH_BLOCK
-    from engine.cuda_graphs import VerifyGraph
-
-    runner, cfg = llm.core.runner, llm.config
-    if cfg.mode != Mode.DVR or getattr(runner, "verify_graph", None) is not None:
-        return ""
-    vg = VerifyGraph(runner.model, runner.kv, cfg.group, cfg.window, min(llm.core.max_model_len, 4096))
-    vg.stage_dummy(SCRATCH_BLOCK * cfg.block_size)
-    vg.capture()
-    if not vg.bit_exact:
-        return "; verify graph NOT bit-exact with eager: verify stays eager"
-    eager = runner.verify
-
-    def verify(rows: list[Any]) -> torch.Tensor:
-        ids, pos, slots, _starts, lens, tables = runner._layout(rows, (cfg.group, cfg.window))
-        if not vg.stage(ids, pos, slots, lens, tables):
-            return eager(rows)
-        return vg.replay().view(cfg.group, cfg.window, -1)[: len(rows)].clone()
-
-    runner.verify = verify
-    return "; verify graph (bit-exact with eager)"
-
-
-def _engine_config(cls: Any, **kw: Any) -> Any:
-    """EngineConfig with the GPU fields if this build has them (attention_backend='triton', graphs)."""
-    for key, value in (("attention_backend", "triton"), ("cuda_graphs", True)):
-        try:
-            cls(**{**kw, key: value})
-            kw[key] = value
-        except (TypeError, ValueError):
-            pass
-    return cls(**kw)
+def _engine_config(cls: Any, graphs: bool = True, **kw: Any) -> Any:
+    """EngineConfig for a CUDA bench run: Triton attention (batch_invariant keeps its own) and, with
+    `graphs`, the model runner's CUDA graphs (decode; verify when bit-exact)."""
+    if kw.get("mode") != "batch_invariant":
+        kw.setdefault("attention_backend", "triton")
+    return cls(cuda_graphs=graphs, **kw)
 
 
 def _free() -> None:
@@ -656,7 +595,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
     out: dict[str, Any] = {"prompts": a.rollback_prompts, "new_tokens": a.rollback_tokens, "windows": {}}
     for w in a.rollback_windows:
-        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr", window=w, group=a.group,
+        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr", window=w, group=a.group,
                                 num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.rollback_prompts,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         llm = smol_llm(ctx, config)
@@ -704,8 +643,7 @@ def smol_llm(ctx: Ctx, config: Any) -> Any:
             ctx.extras["smol"] = (source, model, shape)
         source, model, shape = ctx.extras["smol"]
         llm = LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
-    _use_triton(llm)
-    llm.bench_graphs = attach_decode_graphs(llm) if ctx.args.engine_graphs else "eager"
+    llm.bench_graphs = llm.core.runner.graphs_status
     return llm
 
 
@@ -719,7 +657,7 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": a.sweep_requests, "new_tokens": a.sweep_tokens, "runs": {}}
     for w in (16, 32, 64):
         for g in (4, 8, 16, 32):
-            config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr",
+            config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr",
                                     window=w, group=g, num_kv_blocks=a.smol_kv_blocks,
                                     max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
             llm = smol_llm(ctx, config)
@@ -739,7 +677,7 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
         model.attention = TritonPagedAttention(decode="canonical")
         try:
             for w in (16, 32, 64):
-                config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16",
+                config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16",
                                         mode="dvr", window=w, group=8, num_kv_blocks=a.smol_kv_blocks,
                                         max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192,
                                         cache_dir=a.cache_dir)
@@ -756,16 +694,6 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
         finally:
             model.attention = TritonPagedAttention()
     return out
-
-
-def _use_triton(llm: Any) -> None:
-    """Put the Triton backend in where the engine runs the torch one (this EngineConfig cannot name
-    'triton'); the batch_invariant mode keeps its own attention."""
-    from engine.attention.triton_paged import TritonPagedAttention
-
-    model = llm.core.runner.model
-    if model.device.type == "cuda" and getattr(model.attention, "name", "") == "torch":
-        model.attention = TritonPagedAttention()
 
 
 MODES: list[tuple[str, str, float]] = [("nondeterministic", "nondeterministic", 0.0)] + [
@@ -830,7 +758,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode=mode, window=32,
+        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode=mode, window=32,
                                 group=a.group, num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.compare_requests,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         return smol_llm(ctx, config)
@@ -869,12 +797,12 @@ def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
                        for c, p, o in (spec.split("x") for spec in a.fixed_sets)))
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, model="synthetic", device=ctx.device.type, dtype="bfloat16",
-                                mode=mode, window=32, group=a.group, num_kv_blocks=blocks, max_num_seqs=n,
+        config = _engine_config(EngineConfig, a.engine_graphs, model="synthetic", device=ctx.device.type,
+                                dtype="bfloat16", mode=mode, window=32, group=a.group, num_kv_blocks=blocks, max_num_seqs=n,
                                 max_num_batched_tokens=8192, max_model_len=8192, fault_rate=fault_rate,
                                 fault_seed=5)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
-        llm.bench_graphs = attach_decode_graphs(llm) if a.engine_graphs else "eager"
+        llm.bench_graphs = llm.core.runner.graphs_status
         return llm
 
     res = {"model": f"synthetic {a.preset} (peaked logits)", "requests": n, "fault_rate": fault_rate,
