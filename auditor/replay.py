@@ -53,7 +53,8 @@ from auditor.auth import Principal
 from auditor.db.models import AccessAction, LeafKind, ReplayJob, ReplayStatus, Role
 from auditor.errors import ApiError, not_found
 from auditor.queries import record_access
-from auditor.repository import utc
+from auditor.canonical import timestamp
+from auditor.repository import iso_utc
 from auditor.transcript import Check, uuid7, verify_transcript
 from auditor.verify import bundle_entry
 
@@ -268,13 +269,9 @@ def job_json(job: ReplayJob) -> dict[str, Any]:
         "id": job.id, "object": "replay", "transcript_id": job.transcript_id, "status": job.status,
         "result": result.get("verdict"), "details": result.get("details"),
         "attestation": json.loads(job.attestation) if job.attestation else None, "log_index": job.log_index,
-        "error": job.error, "requested_by": job.requested_by, "created_at": _iso(job.created_at),
-        "finished_at": _iso(job.finished_at) if job.finished_at else None, "evidence": None,
+        "error": job.error, "requested_by": job.requested_by, "created_at": iso_utc(job.created_at),
+        "finished_at": iso_utc(job.finished_at) if job.finished_at else None, "evidence": None,
     }
-
-
-def _iso(value: dt.datetime) -> str:
-    return utc(value).isoformat().replace("+00:00", "Z")
 
 
 def _now() -> dt.datetime:
@@ -488,7 +485,7 @@ class ReplayService:
             signed = sign_replay_attestation(ReplayAttestationInputs(
                 replay_id=claimed.job_id, transcript_id=claimed.record.transcript_id,
                 transcript_payload_digest=claimed.record.payload_digest, result=claimed.outcome.verdict,
-                replayed_at=_now().strftime("%Y-%m-%dT%H:%M:%S.%fZ"), engine_fingerprint=engine.runtime_fingerprint(),
+                replayed_at=timestamp(_now()), engine_fingerprint=engine.runtime_fingerprint(),
                 system_fingerprint=engine.system_fingerprint(), details=claimed.outcome.details),
                 self.services.keyring)
         await self._commit(claimed, signed)
