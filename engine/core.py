@@ -162,7 +162,9 @@ class EngineCore:
     def _decode(self, plan: Plan) -> list[Sequence]:
         for seq in plan.decode:
             assert seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len, seq.num_tokens)
-        rows = [Row([s.last_token], s.kv_len, self._table(s)) for s in plan.decode]
+        canonical = self.config.dvr_decode_attention == "canonical"
+        rows = [Row([s.last_token], s.kv_len, self._table(s), canonical and s.kind != SeqKind.FAST)
+                for s in plan.decode]
         logits = self.runner.decode(rows)  # [R, vocab]
         self.totals.decode_passes += 1
         results = sample_rows(logits, [(s.params, s.seed, s.num_tokens) for s in plan.decode])

@@ -42,6 +42,7 @@ class Row:
     tokens: list[int]        # real input tokens
     start_pos: int           # absolute position of tokens[0]
     block_table: list[int]   # physical blocks of the sequence
+    canonical: bool = False  # DECODE: attention with the verifier's numerics (AttentionMetadata.canonical_rows)
 
 
 DUMMY_TOKEN = 0

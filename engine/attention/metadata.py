@@ -27,6 +27,10 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # Int[R+1]: cumulative token counts, starts at 0
     seq_lens: torch.Tensor  # Int[R]: keys visible to the row's last query, this pass's tokens included
     block_tables: torch.Tensor  # Int[R, max_blocks]: physical block per logical block; padding -> block 0
+    # DECODE only, optional: Int[R], 1 = this row's attention must use the prefill/verify kernel's numerics
+    # (a DVR row: its fast-path candidate then agrees with the verifier more often); 0 = any fast kernel.
+    # Backends without a separate decode kernel ignore it. A static buffer under CUDA graphs.
+    canonical_rows: torch.Tensor | None = None
 
     @property
     def num_rows(self) -> int:
