@@ -184,11 +184,19 @@ class EngineCore:
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         logits = self.runner.verify([Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify])
-        logits = logits.cpu()  # one device->host copy for the pass, not one per row
-        for row, lg in zip(plan.verify, logits):  # lg: [W, vocab]
+        w = logits.shape[1]
+        flat = logits.view(-1, logits.shape[-1])  # [rows * W, vocab]; sampled where it lies (device or host)
+        ids: list[int] = []
+        specs: list[tuple[SamplingParams, int, int]] = []
+        for r, row in enumerate(plan.verify):
+            ids += range(r * w, r * w + row.num_outputs)
+            specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
+        flat_samples = sample_rows(flat, specs, ids)
+        at = 0
+        for row in plan.verify:
             seq = row.seq
             n = row.num_outputs
-            samples = sample_rows(lg[:n], [(seq.params, seq.seed, row.start_pos + 1 + i) for i in range(n)])
+            samples, at = flat_samples[at:at + n], at + n
             if row.kind == RowKind.TEACHER:
                 apply_teacher(row, samples)
             else:

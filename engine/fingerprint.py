@@ -16,7 +16,7 @@ import torch
 from engine.config import EngineConfig, Mode
 from engine.kernels import DEFAULT_SPLIT_SIZE
 from engine.kernels.tiles import TILE_ROWS
-from engine.sampling import SAMPLER_ID
+from engine.sampling import SAMPLER_ID, sampler_impl
 
 ENGINE_VERSION = "0.1.0"
 _ISA_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c", "avx_vnni")
@@ -74,6 +74,7 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "group": config.group,
         "kv_block_size": config.block_size,
         "sampler": SAMPLER_ID,
+        "sampler_impl": sampler_impl(device),
         "dtype": str(config.resolved_dtype).removeprefix("torch."),
     }
     if config.mode == Mode.BATCH_INVARIANT:  # the split size and the kernel family fix the reduction order

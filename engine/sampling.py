@@ -150,11 +150,86 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: 
     return SampleResult(token, float(np.float32(lp[token])), top)
 
 
-def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]]) -> list[SampleResult]:
-    """logits [N, vocab] (any float dtype, cast to float32); specs[i] = (params, seed, position)."""
-    rows = logits.float().cpu().numpy()
-    assert rows.shape[0] == len(specs), (rows.shape, len(specs))
-    return [sample_row(rows[i], p, s, pos) for i, (p, s, pos) in enumerate(specs)]
+HOST_SAMPLER_IMPL = "numpy-fp64"
+
+
+def sampler_impl(device: torch.device) -> str:
+    """Which implementation of SAMPLER_ID runs for logits on `device` (named in the runtime fingerprint):
+    the same algorithm, but libm vs libdevice and the log-sum-exp order differ in the last bits."""
+    if device.type == "cuda":
+        from engine.kernels.triton_sampler import SAMPLER_IMPL
+
+        return SAMPLER_IMPL
+    return HOST_SAMPLER_IMPL
+
+
+def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
+                rows: list[int] | None = None) -> list[SampleResult]:
+    """Sample rows `rows` (default: all, in order) of logits [N, vocab]; specs[i] = (params, seed, position).
+
+    CUDA logits are sampled on the device (engine.kernels.triton_sampler) except rows that ask for top-k /
+    top-p, which take the host path; CPU logits take the host path (numpy, float64).
+    """
+    rows = list(range(logits.shape[0])) if rows is None else rows
+    assert len(rows) == len(specs), (len(rows), len(specs))
+    if logits.is_cuda:
+        return _sample_rows_device(logits, specs, rows)
+    host = logits.float().numpy()
+    return [sample_row(host[r], p, s, pos) for r, (p, s, pos) in zip(rows, specs)]
+
+
+def _filtered(params: SamplingParams) -> bool:
+    return params.temperature != 0 and (params.top_k != 0 or params.top_p < 1.0)
+
+
+def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
+                        rows: list[int]) -> list[SampleResult]:
+    from engine.kernels.triton_sampler import gumbel_sample, row_key
+
+    out: list[SampleResult | None] = [None] * len(specs)
+    fast = [i for i, (p, _, _) in enumerate(specs) if not _filtered(p)]
+    slow = [i for i, (p, _, _) in enumerate(specs) if _filtered(p)]
+    if slow:  # top-k / top-p sort the vocab: those rows (rare) go through the host sampler
+        host = logits[[rows[i] for i in slow]].float().cpu().numpy()
+        for j, i in enumerate(slow):
+            p, seed, pos = specs[i]
+            out[i] = sample_row(host[j], p, seed, pos)
+    if fast:
+        dev = logits.device
+        row_ids = torch.tensor([rows[i] for i in fast], dtype=torch.int64).to(dev, non_blocking=True)
+        keys = torch.tensor([row_key(specs[i][1], specs[i][2]) for i in fast], dtype=torch.int64)
+        temps = torch.tensor([float(specs[i][0].temperature) for i in fast], dtype=torch.float64)
+        token, logprob, lse = gumbel_sample(logits, row_ids, keys.to(dev, non_blocking=True),
+                                            temps.to(dev, non_blocking=True))
+        tops = _top_logprobs_device(logits, [rows[i] for i in fast], [specs[i][0].logprobs or 0 for i in fast],
+                                    lse)
+        token_h, logprob_h = token.tolist(), logprob.tolist()
+        for j, i in enumerate(fast):
+            out[i] = SampleResult(token_h[j], logprob_h[j], tops[j] if specs[i][0].logprobs else None)
+    return out  # type: ignore[return-value]
+
+
+def _top_logprobs_device(logits: torch.Tensor, rows: list[int], ns: list[int], lse: torch.Tensor
+                         ) -> list[dict[int, float] | None]:
+    """The n most likely ids of each row with n > 0, ordered as the host sampler orders them (descending,
+    lower id first on ties); logprob = float32(float64(x) - lse), the same formula as the sampled token's."""
+    tops: list[dict[int, float] | None] = [None] * len(rows)
+    want = [j for j, n in enumerate(ns) if n > 0]
+    if not want:
+        return tops
+    k = max(ns[j] for j in want)
+    sub = logits[[rows[j] for j in want]].float()
+    vals, _ = torch.topk(sub, k, dim=-1)
+    lse_h = lse[want].tolist()
+    vals_h = vals.tolist()
+    for a, j in enumerate(want):
+        n = ns[j]
+        kth = vals_h[a][n - 1]
+        ids = torch.nonzero(sub[a] >= kth).flatten().tolist()  # every id tied with the n-th value
+        xs = sub[a, ids].tolist()
+        order = sorted(zip(xs, ids), key=lambda t: (-t[0], t[1]))[:n]
+        tops[j] = {int(i): float(np.float32(x - lse_h[a])) for x, i in order}
+    return tops
 
 
 def _need(ok: bool, field: str, limit: str) -> None:
