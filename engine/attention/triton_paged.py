@@ -22,6 +22,12 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
 
+* Canonical decode rows (`AttentionMetadata.canonical_rows`, the DVR rows of a DECODE pass): the
+  split kernels skip the flagged rows, then `prefill_attention` runs over the same rows with
+  `only_rows`, where the programs of unflagged rows return before any work. A flagged row thus gets
+  bitwise the verifier's output for its position (a 1-query row is a window like any other), an
+  unflagged row the split-KV output, and both launches have static grids (CUDA-graph capturable).
+
 Triton is imported lazily: this module is importable on a CPU-only machine; calling a kernel there
 raises (or runs under TRITON_INTERPRET=1 for tests).
 """
@@ -91,6 +97,7 @@ def prefill_attention(
     scale: float,
     max_query_len: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
+    only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
 ) -> torch.Tensor:
     """Causal attention of each query over its row's cache, window- and batch-invariant (module doc)."""
     triton, kernel, _, _ = _kernels()
@@ -99,10 +106,12 @@ def prefill_attention(
     out = torch.empty_like(q) if out is None else out
     head_dim = q.shape[2]
     # +1: a window that starts mid-tile spans one more absolute query tile than its length suggests
-    grid = (num_rows, triton.cdiv(max_query_len, PREFILL_BLOCK_M) + 1, q.shape[1])
+    # (a single query never does)
+    query_tiles = 1 if max_query_len <= 1 else triton.cdiv(max_query_len, PREFILL_BLOCK_M) + 1
+    grid = (num_rows, query_tiles, q.shape[1])
     kernel[grid](
         q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, _row_mask(only_rows, num_rows),
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -111,9 +120,16 @@ def prefill_attention(
         block_tables.stride(0), block_tables.shape[1],
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
         BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q),
+        HAS_ROW_MASK=only_rows is not None,
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
     return out
+
+
+def _row_mask(mask: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
+    if mask is not None and (mask.dtype != torch.int32 or tuple(mask.shape) != (num_rows,)):
+        raise ValueError(f"row mask must be Int32[{num_rows}], got {mask.dtype}{list(mask.shape)}")
+    return mask
 
 
 def decode_num_splits(max_kv_len: int, split_size: int = DECODE_SPLIT_SIZE) -> int:
@@ -141,6 +157,7 @@ def decode_attention(
     workspace: DecodeWorkspace | None = None,
     out: torch.Tensor | None = None,
     split_size: int = DECODE_SPLIT_SIZE,
+    skip_rows: torch.Tensor | None = None,  # Int32[R]: rows with nonzero are skipped, their `out` untouched
 ) -> torch.Tensor:
     """Split-KV decode attention with a fixed split size (module doc). Allocation-free with a workspace."""
     triton, _, split_kernel, merge_kernel = _kernels()
@@ -158,9 +175,10 @@ def decode_attention(
     mid_o, mid_lse = workspace.mid_o, workspace.mid_lse
     out = torch.empty_like(q) if out is None else out
     block_d = max(16, _next_pow2(head_dim))
+    skip_rows = _row_mask(skip_rows, num_rows)
     split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, mid_o, mid_lse,
-        seq_lens, block_tables,
+        seq_lens, block_tables, skip_rows,
         scale * _LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -170,15 +188,15 @@ def decode_attention(
         mid_lse.stride(0), mid_lse.stride(1),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
-        DOT_PRECISION=_dot_precision(q),
+        DOT_PRECISION=_dot_precision(q), HAS_ROW_MASK=skip_rows is not None,
         num_warps=4, num_stages=2,
     )
     merge_kernel[(num_rows, num_heads)](
-        mid_o, mid_lse, out,
+        mid_o, mid_lse, out, skip_rows,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, HAS_ROW_MASK=skip_rows is not None,
         num_warps=1,
     )
     return out
@@ -203,6 +221,7 @@ class TritonPlan:
     block_tables: torch.Tensor     # Int[R, max_blocks]
     max_query_len: int
     one_query_per_row: bool        # DECODE with T == R: the split-KV decode kernel
+    canonical_rows: torch.Tensor | None = None  # Int32[R] with one_query_per_row: 1 = the prefill kernel
 
 
 class TritonPagedAttention:
@@ -217,8 +236,9 @@ class TritonPagedAttention:
     kernel_id = KERNEL_ID
 
     def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split") -> None:
-        """decode="split": the split-KV decode kernel (fast); "canonical": decode queries go through the
-        prefill/verify kernel, so the fast path's attention numerics equal the verifier's."""
+        """decode="split": the split-KV decode kernel (fast), except for the rows a DECODE pass flags in
+        `canonical_rows`; "canonical": every decode query goes through the prefill/verify kernel, so the
+        fast path's attention numerics equal the verifier's."""
         if decode not in ("split", "canonical"):
             raise ValueError(f"decode must be 'split' or 'canonical', got {decode!r}")
         self.split_size, self.decode = split_size, decode
@@ -239,8 +259,10 @@ class TritonPagedAttention:
             max_q = num_tokens
         else:
             max_q = int((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).max().item())
+        # decode="canonical" already sends every decode row through the prefill kernel
+        canonical = _row_mask(meta.canonical_rows, num_rows) if one_per_row else None
         return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
-                          meta.block_tables, max_q, one_per_row)
+                          meta.block_tables, max_q, one_per_row, canonical)
 
     def workspace(self, num_rows: int, num_heads: int, head_dim: int, num_splits: int,
                   device: torch.device) -> DecodeWorkspace:
@@ -268,7 +290,11 @@ class TritonPagedAttention:
         if plan.one_query_per_row:
             splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
             ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
-            return decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                    workspace=ws, split_size=self.split_size)
+            out = decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                                   workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows)
+            if plan.canonical_rows is not None:
+                prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
+                                  scale, 1, out=out, only_rows=plan.canonical_rows)
+            return out
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                                  scale, plan.max_query_len)

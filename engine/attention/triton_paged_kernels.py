@@ -9,7 +9,7 @@ import triton.language as tl
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
-    qsl_ptr, seq_lens_ptr, bt_ptr,
+    qsl_ptr, seq_lens_ptr, bt_ptr, row_mask_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -18,8 +18,14 @@ def _prefill_kernel(
     stride_bt, table_cols,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
 ):
     r = tl.program_id(0)
+    # canonical decode rows: only rows whose mask is nonzero run; the rest keep their split-KV output.
+    # The exit comes before any arithmetic, so a running program computes the unmasked kernel's bits.
+    if HAS_ROW_MASK:
+        if tl.load(row_mask_ptr + r) == 0:
+            return
     qt_rel = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -72,7 +78,7 @@ def _prefill_kernel(
 @triton.jit
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, mid_o_ptr, mid_lse_ptr,
-    seq_lens_ptr, bt_ptr,
+    seq_lens_ptr, bt_ptr, row_mask_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -83,8 +89,12 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
 ):
     r = tl.program_id(0)
+    if HAS_ROW_MASK:  # a canonical row: the prefill kernel computes it instead
+        if tl.load(row_mask_ptr + r) != 0:
+            return
     kvh = tl.program_id(1)
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + r)
@@ -128,13 +138,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_merge_kernel(
-    mid_o_ptr, mid_lse_ptr, o_ptr,
+    mid_o_ptr, mid_lse_ptr, o_ptr, row_mask_ptr,
     stride_mo_t, stride_mo_h, stride_mo_s,
     stride_ml_t, stride_ml_h,
     stride_ot, stride_oh,
     NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
 ):
     r = tl.program_id(0)
+    if HAS_ROW_MASK:  # a canonical row: its split buffers were never written
+        if tl.load(row_mask_ptr + r) != 0:
+            return
     h = tl.program_id(1)
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM

@@ -1,0 +1,202 @@
+"""Canonical decode rows (AttentionMetadata.canonical_rows) on the Triton backend.
+
+A DECODE pass that flags rows gives each flagged row bitwise the verifier's attention output for its
+position (the prefill kernel on that query, alone or as the last token of a longer verify window) and
+each unflagged row bitwise the plain split-KV decode output.
+
+The CPU check runs the Triton kernels under the interpreter (TRITON_INTERPRET=1) in a subprocess, since
+the interpreter is chosen when triton is first imported; the gpu-marked checks use realistic shapes and
+a CUDA graph whose mask changes between replays.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.attention.metadata import AttentionMetadata, PassKind
+from tests.engine.gpu_reference import make_paged_case
+
+REPO = Path(__file__).resolve().parents[2]
+WINDOW = 8  # verify window width of the "last token of a window" check
+
+
+def _decode_meta(case: dict, mask: torch.Tensor | None) -> AttentionMetadata:
+    """A DECODE pass: row r's one query sits at seq_lens[r] - 1 (its K/V slot already holds the case's)."""
+    bs = case["k_cache"].shape[1]
+    last = case["seq_lens"].long() - 1
+    slots = case["block_tables"].long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    return AttentionMetadata(PassKind.DECODE, slots, case["query_start_loc"], case["seq_lens"],
+                             case["block_tables"], canonical_rows=mask)
+
+
+def _kv_at(case: dict, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's own K/V at `slots`, so the backend's write-first is a no-op."""
+    kc, vc = case["k_cache"], case["v_cache"]
+    return kc.view(-1, *kc.shape[2:])[slots].clone(), vc.view(-1, *vc.shape[2:])[slots].clone()
+
+
+def _verify_last(tp, case: dict, r: int, scale: float, rows: int) -> torch.Tensor:
+    """Row r's decode query as the last token of a WINDOW-token verify window, in verify row `rows - 1`
+    of a pass whose other rows (and the window's earlier queries) are random."""
+    dev, q = case["q"].device, case["q"]
+    seq_len = int(case["seq_lens"][r])
+    g = torch.Generator(device="cpu").manual_seed(r)
+    qs = torch.randn(rows * WINDOW, *q.shape[1:], generator=g).to(q.dtype).to(dev)
+    qs[-1] = q[r]
+    lens = [max(WINDOW, int(s)) for s in case["seq_lens"][:rows - 1].tolist()] + [seq_len]
+    tables = torch.cat([case["block_tables"][:rows - 1], case["block_tables"][r:r + 1]])
+    qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev) * WINDOW
+    out = tp.prefill_attention(qs, case["k_cache"], case["v_cache"], qsl,
+                               torch.tensor(lens, dtype=torch.int32, device=dev), tables, scale, WINDOW)
+    return out[-1]
+
+
+def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, int, int, int],
+                           lens: list[int], mask: list[int], split_size: int) -> None:
+    """Every bitwise claim of the module doc, on one random paged cache."""
+    from engine.attention import triton_paged as tp
+
+    h, hkv, d, bs = shape
+    assert min(lens) >= WINDOW
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, device, seed=11, spare_blocks=2)
+    scale = d ** -0.5
+    rows = torch.tensor(mask, dtype=torch.int32, device=device)
+    meta = _decode_meta(case, rows)
+    k, v = _kv_at(case, meta.slot_mapping)
+
+    backend = tp.TritonPagedAttention(split_size=split_size)
+    plan = backend.plan(meta, bs)
+    assert plan.one_query_per_row and plan.canonical_rows is rows
+    out = backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"], plan, scale)
+
+    split = tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                                case["block_tables"], scale, split_size=split_size)
+    skipped = tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                                  case["block_tables"], scale, out=torch.full_like(case["q"], float("nan")),
+                                  split_size=split_size, skip_rows=rows)
+    flagged = rows.bool()
+    assert skipped[flagged].isnan().all() and torch.equal(skipped[~flagged], split[~flagged])
+    plain = backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"],
+                            backend.plan(_decode_meta(case, None), bs), scale)
+    assert torch.equal(plain, split)
+    canonical = tp.TritonPagedAttention(split_size=split_size, decode="canonical")
+    everywhere = canonical.forward(case["q"], k, v, case["k_cache"], case["v_cache"],
+                                   canonical.plan(meta, bs), scale)
+    for r, flagged in enumerate(mask):
+        if not flagged:
+            assert torch.equal(out[r], split[r]), f"unflagged row {r} differs from the split decode"
+            continue
+        alone = tp.prefill_attention(case["q"][r:r + 1], case["k_cache"], case["v_cache"],
+                                     case["query_start_loc"][:2], case["seq_lens"][r:r + 1],
+                                     case["block_tables"][r:r + 1], scale, 1)
+        assert torch.equal(out[r], alone[0]), f"flagged row {r} differs from its 1-token window"
+        assert torch.equal(out[r], _verify_last(tp, case, r, scale, rows=3)), f"row {r} vs its verify window"
+        assert torch.equal(out[r], everywhere[r]), f"row {r} differs from decode='canonical'"
+    if dtype == torch.float32 or device != "cpu":  # tiny bf16 cases round both to the same bits
+        assert not torch.equal(out, split), "the case is too easy: canonical and split rows agree bitwise"
+
+
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter turns a scalar (a 1-element array there) into a Python int with
+    `int(array)`, which NumPy >= 2.4 refuses for ndim > 0; `range()` over loaded bounds needs it."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope) -> None:  # noqa: ANN001 (triton internals)
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    interpreter._patch_lang_tensor = patched
+
+
+def _interpreter_main() -> None:
+    """Entry of the TRITON_INTERPRET=1 subprocess (tiny shapes: the interpreter runs numpy)."""
+    _patch_interpreter_index()
+    for dtype in (torch.float32, torch.bfloat16):
+        # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
+        check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
+                               split_size=64)
+    print("interpreter ok")
+
+
+def test_canonical_rows_under_the_triton_interpreter() -> None:
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    code = "from tests.engine.test_canonical_decode import _interpreter_main; _interpreter_main()"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_plan_rejects_a_mask_of_the_wrong_shape_or_dtype() -> None:
+    from engine.attention import triton_paged as tp
+
+    case = make_paged_case([20, 30], [1, 1], 4, 2, 16, 16, torch.float32, "cpu")
+    backend = tp.TritonPagedAttention()
+    for bad in (torch.ones(3, dtype=torch.int32), torch.ones(2, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="row mask"):
+            backend.plan(_decode_meta(case, bad), 16)
+    # decode="canonical" sends every row through the prefill kernel: the mask is not needed
+    assert tp.TritonPagedAttention(decode="canonical").plan(_decode_meta(case, None), 16).canonical_rows is None
+
+
+# --- CUDA ---------------------------------------------------------------------------------------------
+
+gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+GPU_SHAPES = [(32, 8, 128, 16), (9, 3, 64, 16)]  # Llama-3.1-8B, SmolLM2-135M
+GPU_LENS = [8, 700, 1500, 64, 2047, 333, 512, 513]
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_canonical_rows(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    check_canonical_decode("cuda", dtype, shape, GPU_LENS, [1, 0, 1, 1, 0, 0, 1, 0], split_size=512)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
+    """One captured decode step; the static mask buffer changes between replays, no allocation."""
+    from engine.attention import triton_paged as tp
+
+    h, hkv, d, bs = GPU_SHAPES[0]
+    case = make_paged_case(GPU_LENS, [1] * len(GPU_LENS), h, hkv, d, bs, torch.bfloat16, "cuda", seed=12,
+                           spare_blocks=8)
+    scale = d ** -0.5
+    mask = torch.zeros(len(GPU_LENS), dtype=torch.int32, device="cuda")
+    meta = _decode_meta(case, mask)
+    k, v = _kv_at(case, meta.slot_mapping)
+    backend = tp.TritonPagedAttention()
+    out = torch.empty_like(case["q"])
+
+    def step() -> None:
+        out.copy_(backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"], backend.plan(meta, bs),
+                                  scale))
+
+    split = tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                                case["block_tables"], scale)
+    canonical = tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                                     case["seq_lens"], case["block_tables"], scale, 1)
+    assert not torch.equal(split, canonical)
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for flags in ([0] * 8, [1, 0, 1, 1, 0, 0, 1, 0], [1] * 8, [0, 1, 0, 0, 1, 1, 0, 1], [0] * 8):
+        mask.copy_(torch.tensor(flags, dtype=torch.int32))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for r, flagged in enumerate(flags):
+            assert torch.equal(out[r], (canonical if flagged else split)[r]), f"mask {flags}, row {r}"
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
