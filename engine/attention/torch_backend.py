@@ -8,7 +8,10 @@ result depends only on its position and the cache contents:
 - the keys a query sees inside a tile sit in the same slots whatever the window start;
 - a tile wholly after the query is an exact no-op (max unchanged, alpha = exp(0) = 1, p = 0);
 - rows never mix (batched matmuls over rows, row-wise reductions).
-DECODE gathers each row's keys into one padded batch and calls SDPA (fast, shape-dependent).
+DECODE gathers each row's keys into one padded batch and calls SDPA (fast, shape-dependent). The rows
+a DECODE pass flags in `canonical_rows` are then recomputed with the tiled schedule, so they get the
+verifier's numerics: as rows of CANONICAL_DECODE_QUERIES queries whose last one is the decode query,
+because CPU BLAS takes another path (other bits) for a matmul of very few rows (group * n < 4 seen).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from engine.attention.metadata import AttentionMetadata, PassKind
 
 DEFAULT_TILE_KEYS = 64
+CANONICAL_DECODE_QUERIES = 8  # queries per canonical decode row (copies of the one query; the last counts)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,8 @@ class DecodeBatch:
 
     block_ids: torch.Tensor  # Long[R, num_blocks]
     key_mask: torch.Tensor  # Bool[R, 1, 1, L]: key position < seq_len
+    canonical_rows: torch.Tensor | None = None  # Long[C]: flagged rows (= their tokens), tiled schedule
+    canonical: TileGroup | None = None  # those C rows, CANONICAL_DECODE_QUERIES queries each
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,15 @@ class TorchAttention:
         slots = meta.slot_mapping.to(torch.long)
         if meta.kind is PassKind.DECODE and all(n == 1 for n in counts):
             decode = _decode_batch(meta, seq_lens, block_size)
+            mask = meta.canonical_rows
+            if mask is not None and tuple(mask.shape) != (len(counts),):
+                raise ValueError(f"canonical_rows must be Int32[{len(counts)}], got shape {list(mask.shape)}")
+            flagged = [] if mask is None else mask.nonzero()[:, 0].tolist()
+            if flagged:
+                index = torch.tensor(flagged, dtype=torch.long, device=slots.device)
+                padded = [CANONICAL_DECODE_QUERIES] * len(counts)
+                group = _tile_group(meta, flagged, starts, padded, seq_lens, bpt, block_size)
+                decode = DecodeBatch(decode.block_ids, decode.key_mask, index, group)
             return AttentionPlan(slots, (), decode, bpt)
         if meta.kind is PassKind.VERIFY:
             if len(set(counts)) != 1:
@@ -105,7 +120,15 @@ class TorchAttention:
     ) -> torch.Tensor:  # [T, Hq, D]
         write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         if plan.decode is not None:
-            return _decode_attention(q, k_cache, v_cache, plan.decode, scale)
+            out = _decode_attention(q, k_cache, v_cache, plan.decode, scale)
+            g, rows = plan.decode.canonical, plan.decode.canonical_rows
+            if g is not None and rows is not None:
+                # queries before the last sit at earlier (possibly negative: fully masked) positions, ignored
+                qg = q[rows][:, None].expand(-1, g.queries_per_row, -1, -1)  # [C, n, Hq, D]
+                og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile,
+                                     k_cache, v_cache, scale)  # [C, n, Hq, D]
+                out[rows] = og[:, -1].to(q.dtype)
+            return out
         out = torch.empty_like(q)
         for g in plan.tiled:
             n_tok = g.num_rows * g.queries_per_row

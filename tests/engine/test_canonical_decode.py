@@ -146,6 +146,42 @@ def test_plan_rejects_a_mask_of_the_wrong_shape_or_dtype() -> None:
     assert tp.TritonPagedAttention(decode="canonical").plan(_decode_meta(case, None), 16).canonical_rows is None
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3, 64, 16), (4, 4, 64, 16), (8, 2, 32, 8)])
+def test_torch_backend_canonical_rows_equal_the_verifier(shape: tuple[int, int, int, int],
+                                                         dtype: torch.dtype) -> None:
+    """TorchAttention: a flagged decode row = the last token of a verify window (W = 8 and 32, the middle
+    row of 3); an unflagged row = the plain (SDPA) decode; a row shorter than its padding stays finite."""
+    from engine.attention import TorchAttention
+
+    h, hkv, d, bs = shape
+    lens, mask = [70, 3, 130, 200, 40], [1, 1, 0, 1, 0]
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, "cpu", seed=13)
+    scale, att = d ** -0.5, TorchAttention()
+    meta = _decode_meta(case, torch.tensor(mask, dtype=torch.int32))
+    k, v = _kv_at(case, meta.slot_mapping)
+    out = att.forward(case["q"], k, v, case["k_cache"], case["v_cache"], att.plan(meta, bs), scale)
+    plain = att.forward(case["q"], k, v, case["k_cache"], case["v_cache"], att.plan(_decode_meta(case, None), bs),
+                        scale)
+    assert torch.equal(out[[2, 4]], plain[[2, 4]])
+    # 3 keys: the padding queries sit at negative positions, fully masked; the decode query is not
+    torch.testing.assert_close(out[1].float(), plain[1].float(), atol=3e-2, rtol=3e-2)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    for r, width in ((0, 8), (0, 32), (3, 8), (3, 32)):
+        rows = [2, r, 4]
+        tables, ends = case["block_tables"][rows], case["seq_lens"][rows]
+        slots = torch.cat([t.long()[p // bs] * bs + p % bs
+                           for t, p in ((t, torch.arange(e - width, e)) for t, e in zip(tables, ends.tolist()))])
+        vmeta = AttentionMetadata(PassKind.VERIFY, slots, torch.arange(4, dtype=torch.int32) * width, ends, tables)
+        qs = torch.randn(3 * width, h, d, generator=g).to(dtype)
+        qs[2 * width - 1] = case["q"][r]
+        vk, vv = _kv_at(case, slots)
+        vo = att.forward(qs, vk, vv, case["k_cache"], case["v_cache"], att.plan(vmeta, bs), scale)
+        assert torch.equal(out[r], vo[2 * width - 1]), f"flagged row {r}, window {width}"
+        if dtype == torch.float32:
+            assert not torch.equal(out[r], plain[r]), f"row {r}: the case is too easy (SDPA gives the same bits)"
+
+
 # --- CUDA ---------------------------------------------------------------------------------------------
 
 gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
