@@ -1,8 +1,8 @@
-"""Canonical decode rows (AttentionMetadata.canonical_rows) on the Triton backend.
+"""Canonical decode rows (AttentionMetadata.canonical_rows) on the Triton and torch backends.
 
 A DECODE pass that flags rows gives each flagged row bitwise the verifier's attention output for its
-position (the prefill kernel on that query, alone or as the last token of a longer verify window) and
-each unflagged row bitwise the plain split-KV decode output.
+position (Triton: the prefill kernel on that query, alone or as the last token of a longer verify window;
+torch: the last token of a verify window) and each unflagged row bitwise the plain decode output.
 
 The CPU check runs the Triton kernels under the interpreter (TRITON_INTERPRET=1) in a subprocess, since
 the interpreter is chosen when triton is first imported; the gpu-marked checks use realistic shapes and
@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ def _kv_at(case: dict, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return kc.view(-1, *kc.shape[2:])[slots].clone(), vc.view(-1, *vc.shape[2:])[slots].clone()
 
 
-def _verify_last(tp, case: dict, r: int, scale: float, rows: int) -> torch.Tensor:
+def _verify_last(tp: ModuleType, case: dict, r: int, scale: float, rows: int) -> torch.Tensor:
     """Row r's decode query as the last token of a WINDOW-token verify window, in verify row `rows - 1`
     of a pass whose other rows (and the window's earlier queries) are random."""
     dev, q = case["q"].device, case["q"]
@@ -184,7 +185,6 @@ def test_torch_backend_canonical_rows_equal_the_verifier(shape: tuple[int, int, 
 
 # --- CUDA ---------------------------------------------------------------------------------------------
 
-gpu = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 GPU_SHAPES = [(32, 8, 128, 16), (9, 3, 64, 16)]  # Llama-3.1-8B, SmolLM2-135M
 GPU_LENS = [8, 700, 1500, 64, 2047, 333, 512, 513]
 
@@ -227,12 +227,13 @@ def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    before = torch.cuda.memory_stats()["allocation.all.allocated"]
     for flags in ([0] * 8, [1, 0, 1, 1, 0, 0, 1, 0], [1] * 8, [0, 1, 0, 0, 1, 1, 0, 1], [0] * 8):
         mask.copy_(torch.tensor(flags, dtype=torch.int32))
         out.fill_(float("nan"))
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
         graph.replay()
         torch.cuda.synchronize()
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
         for r, flagged in enumerate(flags):
             assert torch.equal(out[r], (canonical if flagged else split)[r]), f"mask {flags}, row {r}"
-    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before

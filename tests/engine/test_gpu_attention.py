@@ -156,3 +156,30 @@ def test_canonical_decode_equals_the_verifier_bitwise() -> None:
                                    plan.block_tables, d ** -0.5, plan.max_query_len)
         assert not plan.one_query_per_row
         assert torch.equal(out[0], window[p - 260]), f"position {p}"
+
+
+def test_canonical_rows_equal_the_verifier_bitwise() -> None:
+    """decode="split" with canonical_rows: flagged rows get the verify window's bits, the others the split
+    decode's, within one decode batch (rows at positions 260, 275, 291 of the same cache)."""
+    from engine.attention.metadata import AttentionMetadata, PassKind
+
+    h, hkv, d, bs = SHAPES[0]
+    n = 300
+    case = make_paged_case([n], [n], h, hkv, d, bs, torch.bfloat16, DEVICE, seed=7)
+    window = _verify_window(case, 260, 32, d)                      # positions 260..291 as one verify row
+    positions = [260, 275, 291, 270]
+    q = case["q"][positions].contiguous()
+    seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=DEVICE)
+    tables = case["block_tables"][[0] * len(positions)].contiguous()
+    split = tp.decode_attention(q, case["k_cache"], case["v_cache"], seq_lens, tables, d ** -0.5)
+    backend = tp.TritonPagedAttention()
+    mask = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
+    pos = torch.tensor(positions, device=DEVICE)
+    slots = tables[0].long()[pos // bs] * bs + pos % bs
+    meta = AttentionMetadata(PassKind.DECODE, slots, torch.arange(5, dtype=torch.int32, device=DEVICE), seq_lens,
+                             tables, canonical_rows=mask)
+    kv = case["k_cache"].view(-1, hkv, d)[slots], case["v_cache"].view(-1, hkv, d)[slots]
+    out = backend.forward(q, *kv, case["k_cache"], case["v_cache"], backend.plan(meta, bs), d ** -0.5)
+    for r, p in enumerate(positions):
+        expected = window[p - 260] if mask[r] else split[r]
+        assert torch.equal(out[r], expected), f"row {r} (position {p}, flag {int(mask[r])})"
