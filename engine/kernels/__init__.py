@@ -1,4 +1,5 @@
-"""Batch-invariant ops for mode="batch_invariant" (see ops.py for how a model uses them).
+"""The model's ops (see ops.py): TorchOps (fused Triton row kernels on CUDA, triton_fused.py) and the
+batch-invariant ops for mode="batch_invariant".
 
 Nothing here imports triton at import time; the Triton kernels load on the first CUDA call.
 """

@@ -1,20 +1,25 @@
-"""The ops a model calls for its GEMMs and row reductions, as an explicit argument (no monkeypatching).
+"""The ops a model calls for its GEMMs, row reductions and RoPE, as an explicit argument (no monkeypatching).
 
 A model takes an `ops` object and never calls `F.linear`, RMSNorm or log-softmax directly:
 
     class LlamaMLP:
         def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:  # x [T, H]
-            gate = ops.linear(x, self.gate_w)                              # [T, I]
-            up = ops.linear(x, self.up_w)                                  # [T, I]
+            gate_up = ops.linear(x, self.gate_up_w)                        # [T, 2I], one fused GEMM
+            gate, up = gate_up.chunk(2, dim=-1)                            # [T, I] views
             return ops.linear(ops.silu_mul(gate, up), self.down_w)        # [T, H]
 
-    h = ops.rms_norm(x, self.norm_w, eps)
+    h, residual = ops.add_rms_norm(x, residual, self.norm_w, eps)      # norm(x + residual), x + residual
     logprobs = ops.log_softmax(logits.float())
 
 The engine builds one object from the config, once: `TORCH_OPS` for `dvr` / `nondeterministic`
-(plain torch, shape-dependent, fast), `BatchInvariantOps()` for `batch_invariant`, and hands it to the
-model (constructor or forward argument). Every GEMM (q/k/v/o, gate/up/down, lm_head), every norm and
+(torch GEMMs, fast), `BatchInvariantOps()` for `batch_invariant`, and hands it to the
+model (constructor or forward argument). Every GEMM (qkv/o, gate_up/down, lm_head), every norm and
 the SwiGLU must go through it; one stray `x @ w.T` breaks the mode. Inputs may be [T, H] or [..., H].
+
+TorchOps on CUDA runs the row ops (RMSNorm with the residual add fused in, SwiGLU, RoPE of q and k in
+one launch) as the Triton kernels of `triton_fused` (one launch each instead of several torch
+elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
+with the numerics it always had. `TorchOps(row_kernels="torch")` forces torch everywhere (A/B).
 
 Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode the backend
 should call `engine.kernels.bi_paged_attention` for EVERY pass kind (prefill, decode): a query's bits
@@ -30,9 +35,10 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import tiles
-from engine.kernels.tiles import rms_norm_rows
+from engine.kernels.tiles import rms_norm_rows, rope_rows
 
 Backend = Literal["auto", "triton", "tiles"]
+RowKernels = Literal["auto", "torch"]
 
 
 class Ops(Protocol):
@@ -42,24 +48,76 @@ class Ops(Protocol):
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor: ...
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor: ...
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor: ...
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def torch_add_rms_norm(ops: Ops, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference semantics of add_rms_norm: the sum rounded to x's dtype, then ops.rms_norm of it."""
+    summed = x + residual  # [..., H]
+    return ops.rms_norm(summed, weight, eps), summed
+
+
+def torch_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D], k [T, Hkv, D], cos_sin [T, 2, D] in q's dtype -> rotated q, k (torch, in q's dtype)."""
+    cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]  # [T, 1, D]
+    return rope_rows(q, cos, sin), rope_rows(k, cos, sin)
 
 
 class TorchOps:
-    """Plain torch: the normal (shape-dependent) path. Same semantics as BatchInvariantOps."""
+    """torch GEMMs: the normal (shape-dependent) path. Same semantics as BatchInvariantOps.
+
+    row_kernels="auto": the row ops of CUDA tensors run as Triton kernels (engine.kernels.triton_fused);
+    "torch": torch ops on every device.
+    """
 
     name = "torch"
+
+    def __init__(self, row_kernels: RowKernels = "auto") -> None:
+        if row_kernels not in ("auto", "torch"):
+            raise ValueError(f"unknown row_kernels {row_kernels!r}; expected auto or torch")
+        self.row_kernels = row_kernels
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and self.row_kernels == "auto"
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return rms_norm_rows(x, weight, eps)
+        if not self._fused(x):
+            return rms_norm_rows(x, weight, eps)
+        from engine.kernels import triton_fused
+
+        return triton_fused.rms_norm(x, weight, eps)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
+        if not self._fused(x):
+            return torch_add_rms_norm(self, x, residual, weight, eps)
+        from engine.kernels import triton_fused
+
+        return triton_fused.add_rms_norm(x, residual, weight, eps)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x.float(), dim=-1).to(x.dtype)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+        if not self._fused(gate):
+            return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+        from engine.kernels import triton_fused
+
+        return triton_fused.silu_mul(gate, up)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._fused(q):
+            return torch_rope(q, k, cos_sin)
+        from engine.kernels import triton_fused
+
+        return triton_fused.rope(q, k, cos_sin)
 
 
 TORCH_OPS = TorchOps()
@@ -113,6 +171,15 @@ class BatchInvariantOps:
         from engine.kernels.triton_rows import triton_silu_mul
 
         return triton_silu_mul(gate, up)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual add is one IEEE add per element (invariant anywhere); the norm is this object's."""
+        return torch_add_rms_norm(self, x, residual, weight, eps)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elementwise torch ops of exact IEEE multiplies and adds: the same bits in any position."""
+        return torch_rope(q, k, cos_sin)
 
 
 def bi_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,16 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
+def rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Plain RoPE, rotate-half convention (HF Llama): x [T, heads, D]; cos, sin [T, 1, D] in x's dtype.
+
+    Exact IEEE multiplies and adds in x's dtype, so a row's bits do not depend on its position either.
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 def tile_log_softmax(x: torch.Tensor) -> torch.Tensor:
     """log_softmax over the last dim, computed in fp32, returned in x's dtype: [..., V] -> [..., V]."""
     rows, lead = _flatten_rows(x)

@@ -1,7 +1,11 @@
 """Own forward for the Llama family (Llama, SmolLM2, Qwen2 qkv bias, Qwen3 q/k norm) over a paged KV cache.
 
-Module and parameter names mirror transformers', so an HF state dict loads by name.
-Every GEMM (q/k/v/o, gate/up/down, lm_head), every RMSNorm and the SwiGLU go through the model's `ops`
+Module and parameter names mirror transformers', except that projections reading the same input are
+fused into one GEMM: `self_attn.qkv_proj` holds q_proj, k_proj, v_proj (weights, and biases for Qwen2)
+stacked along the output dim, `mlp.gate_up_proj` holds gate_proj and up_proj. `hf_weights()` maps every
+HF name to its tensor (a row view of a fused weight), so an HF state dict still loads by name.
+Every GEMM (qkv/o, gate_up/down, lm_head), every RMSNorm (the residual add fused into it), RoPE and the
+SwiGLU go through the model's `ops`
 (engine.kernels: TORCH_OPS by default, BatchInvariantOps for mode="batch_invariant"), handed down as a
 forward argument; attention goes through the model's attention backend. `with_numerics` gives a view
 that shares the weights but runs other ops / attention.
@@ -9,7 +13,7 @@ that shares the weights but runs other ops / attention.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,7 +22,7 @@ from torch import nn
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
 from engine.kernels import TORCH_OPS, Ops
 from engine.models.arch import LlamaArch
-from engine.models.rope import apply_rope, rope_table
+from engine.models.rope import rope_table
 
 _IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
 
@@ -37,6 +41,27 @@ class RMSNorm(nn.Module):
         # normalised in float32, scaled in the model dtype (as transformers does)
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor, ops: Ops) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add fused into the norm."""
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class FusedLinear(nn.Linear):
+    """One GEMM for several HF projections of the same input: their weights (and biases) stacked along
+    the output dim, in `parts` order. The output splits back into the parts with views."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, dtype: torch.dtype) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias, dtype=dtype)
+        self.parts = dict(parts)  # HF projection name -> its output features
+
+    def split(self, out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """[..., sum(parts)] -> one view [..., part] per part."""
+        return out.split(list(self.parts.values()), dim=-1)
+
+    def part_views(self, param: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+        """(HF projection name, row view of `param`) for a weight [N, K] or bias [N] of this module."""
+        return zip(self.parts, param.split(list(self.parts.values()), dim=0), strict=True)
+
 
 class Attention(nn.Module):
     def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
@@ -44,9 +69,8 @@ class Attention(nn.Module):
         h, d = arch.hidden_size, arch.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
         self.scale = d**-0.5
-        self.q_proj = nn.Linear(h, arch.num_heads * d, bias=arch.qkv_bias, dtype=dtype)
-        self.k_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias, dtype=dtype)
-        self.v_proj = nn.Linear(h, arch.num_kv_heads * d, bias=arch.qkv_bias, dtype=dtype)
+        parts = {"q_proj": arch.num_heads * d, "k_proj": arch.num_kv_heads * d, "v_proj": arch.num_kv_heads * d}
+        self.qkv_proj = FusedLinear(h, parts, bias=arch.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
@@ -54,8 +78,7 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, 1, D]
-        sin: torch.Tensor,
+        cos_sin: torch.Tensor,  # [T, 2, D]: cos, sin of each token's position, in the model dtype
         plan: Any,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
@@ -63,12 +86,13 @@ class Attention(nn.Module):
         ops: Ops,
     ) -> torch.Tensor:  # [T, H]
         t = x.shape[0]
-        q = _linear(ops, self.q_proj, x).view(t, self.num_heads, self.head_dim)
-        k = _linear(ops, self.k_proj, x).view(t, self.num_kv_heads, self.head_dim)
-        v = _linear(ops, self.v_proj, x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.split(_linear(ops, self.qkv_proj, x))  # views of one [T, (Hq + 2 Hkv) * D]
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, k, cos_sin)
         out = backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
         return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
@@ -77,13 +101,11 @@ class MLP(nn.Module):
     def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
         super().__init__()
         h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
-        self.gate_proj = nn.Linear(h, i, bias=b, dtype=dtype)
-        self.up_proj = nn.Linear(h, i, bias=b, dtype=dtype)
+        self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=b, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=b, dtype=dtype)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:  # x [T, H]
-        gate = _linear(ops, self.gate_proj, x)  # [T, I]
-        up = _linear(ops, self.up_proj, x)  # [T, I]
+        gate, up = self.gate_up_proj.split(_linear(ops, self.gate_up_proj, x))  # [T, I] views of [T, 2I]
         return _linear(ops, self.down_proj, ops.silu_mul(gate, up))  # [T, H]
 
 
@@ -97,18 +119,22 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        x: torch.Tensor,  # [T, H]: the previous layer's MLP output, or the embeddings (residual None)
+        residual: torch.Tensor | None,  # [T, H]: the residual stream before x is added
+        cos_sin: torch.Tensor,
         plan: Any,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         backend: AttentionBackend,
         ops: Ops,
-    ) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x, ops), cos, sin, plan, k_cache, v_cache, backend, ops)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (MLP output, residual stream before it), [T, H] each
+        if residual is None:
+            h, residual = self.input_layernorm(x, ops), x
+        else:
+            h, residual = self.input_layernorm.add(x, residual, ops)
+        h = self.self_attn(h, cos_sin, plan, k_cache, v_cache, backend, ops)
+        h, residual = self.post_attention_layernorm.add(h, residual, ops)
+        return self.mlp(h, ops), residual
 
 
 class LlamaModel(nn.Module):
@@ -167,11 +193,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         plan = self.attention.plan(meta, kv.block_size)
         cos_sin = self.rope.index_select(0, positions).to(self.dtype)  # [T, 2, D]
-        cos, sin = cos_sin[:, 0:1], cos_sin[:, 1:2]
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, plan, kv.k[i], kv.v[i], self.attention, self.ops)
-        return self.model.norm(x, self.ops)
+            x, residual = layer(x, residual, cos_sin, plan, kv.k[i], kv.v[i], self.attention, self.ops)
+        return self.model.norm.add(x, residual, self.ops)[0]
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -184,10 +209,27 @@ class LlamaForCausalLM(nn.Module):
             a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
         )
 
+    def hf_weights(self) -> dict[str, torch.Tensor]:
+        """HF name -> the parameter, or the row view of a fused one, that holds it; parameter order
+        (a fused weight expands into its parts in place), tied weights once (lm_head absent when tied)."""
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        for module_name, module in self.named_modules():
+            for kind, param in module.named_parameters(recurse=False):
+                if id(param) in seen:
+                    continue
+                seen.add(id(param))
+                if isinstance(module, FusedLinear):
+                    parent = module_name.rsplit(".", 1)[0]
+                    out.update((f"{parent}.{part}.{kind}", view) for part, view in module.part_views(param))
+                else:
+                    out[f"{module_name}.{kind}"] = param
+        return out
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in (cast to the model dtype); ValueError on unknown, misshaped or missing."""
-        params = dict(self.named_parameters(remove_duplicate=False))
+        params = self.hf_weights()
         tied = self.arch.tie_word_embeddings
         loaded: set[str] = set()
         for name, tensor in weights:

@@ -2,6 +2,7 @@
 
 A table makes cos/sin a pure function of the position: computed on the fly, the same position
 could fall in a vectorised body or a scalar tail of an elementwise kernel and round differently.
+Applying it is an op (`ops.rope`: torch on the CPU, one Triton launch for q and k on CUDA).
 """
 from __future__ import annotations
 
@@ -42,9 +43,3 @@ def rope_table(spec: RopeSpec, head_dim: int, max_positions: int, device: torch.
     emb = torch.cat((freqs, freqs), dim=-1)  # [P, head_dim]
     return torch.stack((emb.cos(), emb.sin()), dim=1)
 
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; cos, sin: [T, 1, D] in x's dtype. Rotate-half convention (HF Llama)."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin

@@ -8,7 +8,8 @@ use them for kernel, memory and scheduling costs, never for rollback rates (thos
 Weight scale: every projection ~ N(0, 1/fan_in) so activations keep unit scale through a layer, norms 1,
 embeddings N(0, 1); the residual stream then grows only ~sqrt(num_layers), and the bf16 forward of the
 8B shape stays finite. The lm_head gets `logit_scale / sqrt(hidden)`, so logits ~ N(0, logit_scale²).
-The weights are a pure function of (shape, seed, device type): one generator, parameters in name order.
+The weights are a pure function of (shape, seed, device type): one generator, HF-named tensors in order
+(`LlamaForCausalLM.hf_weights`: fused qkv / gate_up weights are drawn part by part, as separate ones).
 
 `peaked=True` makes the logits far from flat: lm_head row v is the embedding of token v-1, so the input
 token's embedding (still dominant in the residual stream) votes for its successor by a margin far above
@@ -81,7 +82,9 @@ def parse_synthetic(name: str) -> str | None:
 def fill_random_(model: LlamaForCausalLM, seed: int, logit_scale: float = 1.0, peaked: bool = False) -> None:
     """Overwrite every parameter in place with seeded random values drawn on its own device."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
-    for name, param in model.named_parameters():  # named order: deterministic; tied weights once
+    # HF names in parameter order (deterministic; tied weights once): a fused qkv / gate_up weight is
+    # drawn part by part, so the values are those of separate q/k/v and gate/up weights
+    for name, param in model.hf_weights().items():
         if name.endswith("norm.weight"):
             param.fill_(1.0)
         elif name.endswith(".bias"):

@@ -96,7 +96,7 @@ def test_synthetic_architectures_match_transformers(preset: str) -> None:
     ours = build_synthetic_model(config, torch.float32, DEV, seed=3, attention_backend="triton")
     with torch.device(DEV):
         hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    hf.load_state_dict(ours.state_dict(), strict=False)
+    hf.load_state_dict(ours.hf_weights(), strict=False)
     prompts = [[5, 9, 200, 33, 1, 7, 8], list(range(40, 140))]
     for o, r in zip(_prefill_all_logits(ours, prompts), _hf_logits(hf, prompts)):
         assert (o - r).abs().max().item() < 2e-2

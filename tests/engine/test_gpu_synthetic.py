@@ -37,7 +37,7 @@ def test_weights_are_a_pure_function_of_the_seed() -> None:
     c = build_synthetic_model("tiny", torch.float32, "cpu", seed=8)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["model.layers.0.mlp.up_proj.weight"], sc["model.layers.0.mlp.up_proj.weight"])
+    assert not torch.equal(sa["model.layers.0.mlp.gate_up_proj.weight"], sc["model.layers.0.mlp.gate_up_proj.weight"])
     cfg = synthetic_hf_config("tiny")
     assert synthetic_weights_digest(cfg, 7, torch.float32) != synthetic_weights_digest(cfg, 8, torch.float32)
 
