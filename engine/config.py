@@ -43,9 +43,10 @@ class EngineConfig:
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
                                         # when its graph is bit-exact with eager (checked at capture)
-    dvr_decode_attention: str = "canonical"  # DVR rows of a decode step: "canonical" = the verifier's
-                                        # attention numerics (fewer rollbacks; Triton backend), "split" = the
-                                        # fast split-KV kernel like every other row. Never changes committed bits.
+    dvr_decode_attention: str = "auto"  # DVR rows of a decode step: "canonical" = the verifier's attention
+                                        # numerics (fewer rollbacks), "split" = the fast kernel like every other
+                                        # row; auto: canonical on CUDA, split on the CPU (whose fp32 fast path
+                                        # already agrees with the verifier). Never changes committed bits.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -66,8 +67,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.dvr_decode_attention in ("canonical", "split"), "dvr_decode_attention",
-               f"one of canonical/split, got {self.dvr_decode_attention!r}")
+        _check(self.dvr_decode_attention in ("auto", "canonical", "split"), "dvr_decode_attention",
+               f"one of auto/canonical/split, got {self.dvr_decode_attention!r}")
         _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
         if self.mode == Mode.BATCH_INVARIANT:  # the mode fixes the numerics, attention included
             _check(self.attention_backend in ("auto", "torch", "batch_invariant"), "attention_backend",
@@ -81,6 +82,8 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
+        if self.dvr_decode_attention == "auto":
+            object.__setattr__(self, "dvr_decode_attention", "canonical" if on_cuda else "split")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 
