@@ -10,8 +10,8 @@ fast decode path and the verifier of DVR in agreement more often. None of them s
 outputs are allocated with torch.empty, so all are CUDA-graph capturable.
 
 Numerics (one rounding to the model dtype per value, as a torch op in that dtype would):
-- add_rms_norm: s = round(x + residual); out = round(round(s * rstd) * w), rstd from fp32 sum of s².
-  Bitwise equal to `triton_rows.triton_rms_norm(x + residual)` (same lane layout and block size).
+- add_rms_norm: s = round(x + residual); out = round(round(s * rstd) * w), rstd from the fp32 sum of s²
+  (the semantics of tiles.rms_norm_rows; the reduction order is this kernel's own).
 - silu_mul: round(g / (1 + exp(-g)) * u) in fp32.
 - rope: round(x * cos + rotate_half(x) * sin) in fp32, cos/sin given in the model dtype.
 """
@@ -24,12 +24,17 @@ import triton.language as tl
 
 KERNEL_ID = "verbatim-fused-rows-v1"
 
-_MAX_NORM_BLOCK = 4096  # the same block choice as triton_rows, so add_rms_norm matches its RMSNorm bitwise
+_MAX_NORM_BLOCK = 8192  # a Llama-size hidden row (4096, 5120, 8192) in one block, read once
 _SILU_BLOCK = 1024
 
 
 def _norm_block(width: int) -> int:
     return min(triton.next_power_of_2(width), _MAX_NORM_BLOCK)
+
+
+def _norm_warps(block: int) -> int:
+    """A function of the row width only (the reduction tree depends on it): <= 16 fp32 lanes a thread."""
+    return max(1, min(16, block // 512))
 
 
 @triton.jit
@@ -38,28 +43,40 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, sum_ptr, stride_x, stride
     # H is a compile-time constant: one specialisation per row width (hidden size, head_dim)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
-    sq = tl.zeros((BLOCK,), dtype=tl.float32)  # per-lane partial sums, reduced once at the end
-    for start in range(0, H, BLOCK):
-        mask = start + offs < H
-        x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
+    if H <= BLOCK:  # the row fits one block: read it once and keep it in registers
+        mask = offs < H
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(r_ptr + row * stride_r + start + offs, mask=mask, other=0.0)
+            r = tl.load(r_ptr + row * stride_r + offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-            tl.store(sum_ptr + row * stride_sum + start + offs, x, mask=mask)
+            tl.store(sum_ptr + row * stride_sum + offs, x, mask=mask)
         xf = x.to(tl.float32)
-        sq += xf * xf
-    rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sq, axis=0) / H + eps))
-    for start in range(0, H, BLOCK):
-        mask = start + offs < H
-        x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
-        if HAS_RESIDUAL:  # recomputed, not re-read from sum_ptr: no thread reads another thread's store
-            r = tl.load(r_ptr + row * stride_r + start + offs, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
-        x = x.to(tl.float32)
-        w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(xf * xf, axis=0) / H + eps))
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         # normalise in fp32, round to the dtype, scale: a product of two bf16 values is exact in fp32
-        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
-        tl.store(out_ptr + row * stride_out + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = (xf * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+    else:  # per-lane partial sums over the chunks in order, reduced once; then a second pass to scale
+        sq = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in range(0, H, BLOCK):
+            mask = start + offs < H
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:
+                r = tl.load(r_ptr + row * stride_r + start + offs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+                tl.store(sum_ptr + row * stride_sum + start + offs, x, mask=mask)
+            xf = x.to(tl.float32)
+            sq += xf * xf
+        rstd = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(sq, axis=0) / H + eps))
+        for start in range(0, H, BLOCK):
+            mask = start + offs < H
+            x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0)
+            if HAS_RESIDUAL:  # recomputed, not re-read from sum_ptr: no thread reads another thread's store
+                r = tl.load(r_ptr + row * stride_r + start + offs, mask=mask, other=0.0)
+                x = (x.to(tl.float32) + r.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            w = tl.load(w_ptr + start + offs, mask=mask, other=0.0).to(tl.float32)
+            y = (x.to(tl.float32) * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+            tl.store(out_ptr + row * stride_out + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -120,10 +137,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
                              f"{tuple(x.shape)} {x.dtype}")
         res, summed = _rows(residual), torch.empty_like(rows)
+    block = _norm_block(h)
     if m:
         _add_rms_norm_kernel[(m,)](
             rows, res, weight.contiguous(), out, summed, rows.stride(0), res.stride(0), out.stride(0),
-            summed.stride(0), eps, H=h, HAS_RESIDUAL=residual is not None, BLOCK=_norm_block(h),
+            summed.stride(0), eps, H=h, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=_norm_warps(block),
         )
     return out.reshape(x.shape), (x if residual is None else summed.reshape(x.shape))
 

@@ -31,7 +31,7 @@ def _gen(seed: int) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("h", [576, 4096, 5120])
+@pytest.mark.parametrize("h", [128, 576, 4096, 5120, 9000])
 def test_add_rms_norm(dtype: torch.dtype, h: int) -> None:
     from engine.kernels import triton_fused as tf
 
