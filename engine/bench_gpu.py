@@ -2,20 +2,33 @@
 
 Sections (each recorded on its own; a failing section records its error and the run goes on):
   bandwidth        device-to-device copy, bytes read + written per second (the roofline's ceiling)
-  decode_step      synthetic Llama-3.1-8B decode step (CUDA graph) at batch 1/16/64 vs weights+KV bytes / BW
+  decode_step      synthetic Llama-3.1-8B decode step (CUDA graph) at batch 1/16/64 vs weights+KV bytes / BW,
+                   and the device memory a steady-state graphed step allocates (expected: 0 bytes)
+  decode_breakdown the same GEMMs alone, fused vs unfused; graphed step by row-op kernels; eager profile
   lite_generate    64 requests 128-in/128-out through our model + kernels + graphs, greedy on the GPU
                    (no scheduler, no host sampler: the ceiling the engine core can approach)
-  engine_generate  the same requests through the engine core (mode nondeterministic)
-  hf_generate      the same requests through Hugging Face transformers (static batch `generate`)
+  engine_generate  the same requests through the engine core (mode nondeterministic), eager and graphed
+  hf_generate      the same requests through Hugging Face transformers: static-batch `generate` and
+                   continuous batching (`continuous_batching_context_manager`, the engine of `generate_batch`)
   verify_cost      verify pass G x W in {1x32, 8x32, 16x32, 8x64}: time per pass and per token
-  smollm2_rollback real SmolLM2 (GGUF): rollback / recompute rates at W = 16/32/64 (engine, mode dvr)
-  compare_modes    issue 6: nondeterministic / dvr at 2-100 % deterministic / batch_invariant
-Results: <out>/gpu-bench.json (written after every section) and <out>/gpu-bench.png.
+  smollm2_rollback real SmolLM2 (GGUF): rollback / recompute rates at W = 16/32/64, DVR decode rows with the
+                   verifier's attention ("canonical") and with the split-KV kernel ("split")
+  compare_modes    issue 6 on SmolLM2: nondeterministic / dvr at 2-100 % deterministic / batch_invariant
+  compare_modes_synthetic       the same on the synthetic 8B at an injected rollback rate: ShareGPT-like
+                   mix and fixed 1k-in/256-out
+  compare_modes_synthetic_long  the same, fixed 4k-in/1k-out (few requests: six modes in one call)
+  wg_sweep         SmolLM2, all deterministic: W in 16/32/64 x G in 4/8/16/32, throughput and recompute
+Presets for --sections: core, modes, sweep, long, all (SECTION_PRESETS).
+Time: --deadline-s bounds the whole run, --budget-s single sections; work that would pass them is
+skipped or capped and its section says "truncated": true. One progress line per subsection.
+Results: <out>/<name>.json and <out>/<name>.png, both rewritten after every section (and the JSON after
+every subsection), so a run killed by a time limit keeps what it measured.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import inspect
 import json
 import math
 import platform
@@ -32,13 +45,28 @@ import torch
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
-ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic", "wg_sweep")
+ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic",
+                                     "compare_modes_synthetic_long", "wg_sweep")
+# Each preset is sized to finish well inside one 10-minute device call (estimates from the 2026-11-29 runs).
+SECTION_PRESETS: dict[str, tuple[str, ...]] = {
+    "core": ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "engine_generate", "hf_generate",
+             "verify_cost"),                                                    # ~4 min
+    "modes": ("smollm2_rollback", "compare_modes", "compare_modes_synthetic"),  # ~6 min
+    "sweep": ("wg_sweep",),                                                     # ~4 min
+    "long": ("compare_modes_synthetic_long",),                                  # ~6 min
+    "all": ALL_SECTIONS,
+}
 BLOCK_SIZE = 16
+GRAPH_MAX_LEN = 4096  # DecodeGraphs.for_engine's graph_max_len: longer rows decode eagerly
+# Rollbacks per committed token on SmolLM2 at W=32 (greedy, DVR decode rows on the split-KV kernel), from
+# bench/results/gpu-bench-modes.json (H200, 2026-11-29): the injected rate when this run did not measure it.
+COMMITTED_SMOLLM2_FAULT_RATE = 0.00830078125
 
 
 @dataclass
 class Ctx:
-    """What the sections share: arguments, the synthetic model (built once), the measured bandwidth."""
+    """What the sections share: arguments, the synthetic model (built once), the measured bandwidth, and
+    the clock: `left()` is the time to the earlier of the run's deadline and the section's budget."""
 
     args: argparse.Namespace
     device: torch.device
@@ -48,6 +76,56 @@ class Ctx:
     weight_bytes: int = 0
     bandwidth: float | None = None
     extras: dict[str, Any] = field(default_factory=dict)
+    t_start: float = field(default_factory=time.perf_counter)
+    deadline: float = math.inf          # perf_counter seconds: the whole run
+    json_path: Path | None = None
+    section: str = ""
+    section_deadline: float = math.inf  # perf_counter seconds: min(run deadline, section start + budget)
+    truncated: bool = False
+    live: dict[str, Any] | None = None  # the running section's result, filled in place
+
+    def begin(self, name: str, budget_s: float | None) -> None:
+        self.section, self.truncated, self.live = name, False, None
+        end = time.perf_counter() + budget_s if budget_s is not None else math.inf
+        self.section_deadline = min(self.deadline, end)
+        self.log(f"start ({self.left():.0f}s left)")
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t_start
+
+    def left(self) -> float:
+        return self.section_deadline - time.perf_counter()
+
+    def log(self, msg: str) -> None:
+        print(f"[bench +{self.elapsed():6.1f}s] {self.section}: {msg}", flush=True)
+
+    def has_time(self, need_s: float, what: str) -> bool:
+        """False (and the section marked truncated) when fewer than `need_s` seconds are left."""
+        if self.left() >= need_s:
+            return True
+        self.truncated = True
+        self.log(f"skipped {what}: {self.left():.0f}s left < {need_s:.0f}s needed")
+        return False
+
+    def cap(self, cap_s: float) -> float:
+        """A subsection's wall-clock cap: its own, or less when the budget ends sooner."""
+        return max(0.0, min(cap_s, self.left()))
+
+    def open(self, out: dict[str, Any]) -> dict[str, Any]:
+        """Register the section's result dict: checkpoints write it as it fills."""
+        self.live = out
+        return out
+
+    def checkpoint(self, what: str) -> None:
+        """One progress line, and the JSON rewritten with the section's partial result."""
+        if self.live is not None:
+            self.result[self.section] = {**self.live, "in_progress": True}
+            self.write()
+        self.log(what)
+
+    def write(self) -> None:
+        if self.json_path is not None:
+            self.json_path.write_text(json.dumps(self.result, indent=1, default=str))
 
 
 # ---- timing helpers ------------------------------------------------------------------------------
@@ -185,14 +263,17 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
-    out: dict[str, Any] = {
+    out: dict[str, Any] = ctx.open({
         "context": context, "capture_s": round(capture_s, 2), "batches": {},
         "memory": {"free_after_weights_bytes": free_after_weights, "kv_share": DEFAULT_KV_SHARE,
                    "kv_blocks": num_blocks, "kv_cache_bytes": kv.nbytes,
                    "kv_fraction_of_free": kv.nbytes / free_after_weights,
                    "kv_tokens": num_blocks * BLOCK_SIZE},
-    }
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated(),  # weights + KV + graph pools, this process
+    })
     for b in batches:
+        if not ctx.has_time(15, f"batch {b}"):
+            break
         tables = contiguous_tables(b, blocks_per_row)
         ids = [(7 * r + 1) % a.vocab_size for r in range(b)]
         pos = [context - 1] * b
@@ -204,7 +285,11 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
             step()
         torch.cuda.synchronize()
         stats_before = torch.cuda.memory_stats()
+        allocated_before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()  # the peak from here on: what the timed replays allocate
         t = time_cuda(step, reps=ctx.args.reps, warmup=0)
+        allocated_after = torch.cuda.memory_allocated()
+        peak_delta = torch.cuda.max_memory_allocated() - allocated_before
         stats_after = torch.cuda.memory_stats()
         floor_bytes = ctx.weight_bytes + b * context * kv_bytes_per_token(model)
         floor_ms = floor_bytes / bw * 1e3
@@ -215,8 +300,15 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
             "eager_median_ms": eager,
             "device_allocations_during_timed_steps":
                 stats_after["allocation.all.allocated"] - stats_before["allocation.all.allocated"],
+            "memory_allocated_delta_bytes": allocated_after - allocated_before,
+            "peak_allocated_delta_bytes": peak_delta,
         }
-    out["peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
+        ctx.checkpoint(f"batch {b}: {t['median_ms']:.2f} ms, floor {floor_ms:.2f} ms, "
+                       f"allocated +{allocated_after - allocated_before} B, peak +{peak_delta} B")
+    measured = out["batches"].values()
+    out["steady_state_zero_alloc"] = bool(measured) and all(
+        v["device_allocations_during_timed_steps"] == 0 and v["memory_allocated_delta_bytes"] == 0
+        and v["peak_allocated_delta_bytes"] == 0 for v in measured)
     del graphs, kv
     torch.cuda.empty_cache()
     return out
@@ -428,15 +520,21 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = ctx.open({})
     for label, graphs in (("eager", False), ("decode_graphs", True)):
+        if not ctx.has_time(20, label):
+            break
         llm = LLM.from_parts(replace(config, cuda_graphs=graphs), model, shape, eos_ids=set())
         if graphs:
             out["graph_hook"] = llm.core.runner.graphs_status
-        out[label] = _drive(llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}")
+        out[label] = _drive(ctx, llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}",
+                            mem_probe_steps=32)
         del llm
         _free()
-    out["output_tok_per_s"] = max(out[k]["output_tok_per_s"] for k in ("eager", "decode_graphs"))
+        ctx.checkpoint(f"{label}: {out[label]['output_tok_per_s']:.0f} tok/s")
+    rates = [out[k]["output_tok_per_s"] for k in ("eager", "decode_graphs") if k in out]
+    if rates:
+        out["output_tok_per_s"] = max(rates)
     return out
 
 
@@ -457,25 +555,50 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def _drive(core: Any, prompts: list[list[int]], params: Any, cap_s: float, tag: str) -> dict[str, Any]:
+PROBE_FIRST_STEP = 4  # memory probe from this engine step: prefill done, every request decoding
+
+
+def _drive(ctx: Ctx, core: Any, prompts: list[list[int]], params: Any, cap_s: float, tag: str,
+           mem_probe_steps: int = 0) -> dict[str, Any]:
+    """Add the requests, step the engine until all finish or the cap (or the budget) ends; with
+    `mem_probe_steps`, the device memory that many steady-state steps leave allocated and their peak."""
     seqs = [core.add_request(f"{tag}-{i}", p, params) for i, p in enumerate(prompts)]
+    cap = ctx.cap(cap_s)
+    probe: dict[str, Any] = {}
     _sync()
     t0 = time.perf_counter()
     steps = 0
-    while any(not s.is_finished for s in seqs) and time.perf_counter() - t0 < cap_s:
+    while any(not s.is_finished for s in seqs) and time.perf_counter() - t0 < cap:
         core.step()
         steps += 1
+        if mem_probe_steps and torch.cuda.is_available():
+            if steps == PROBE_FIRST_STEP:  # allocator counters are host-side: no device sync here
+                probe = {"steps": mem_probe_steps, "allocated_before": torch.cuda.memory_allocated()}
+                torch.cuda.reset_peak_memory_stats()
+            elif steps == PROBE_FIRST_STEP + mem_probe_steps and probe:
+                probe["memory_allocated_delta_bytes"] = torch.cuda.memory_allocated() - probe["allocated_before"]
+                probe["peak_allocated_delta_bytes"] = torch.cuda.max_memory_allocated() - probe["allocated_before"]
     _sync()
     total = time.perf_counter() - t0
     tokens = sum(len(s.tokens) for s in seqs)
+    finished = sum(s.is_finished for s in seqs)
     stats = vars(core.stats())
-    return {"seconds": total, "steps": steps, "committed_tokens": tokens, "output_tok_per_s": tokens / total,
-            "finished": sum(s.is_finished for s in seqs), "requests": len(seqs), "capped": total >= cap_s,
-            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+    res = {"seconds": total, "steps": steps, "committed_tokens": tokens, "output_tok_per_s": tokens / total,
+           "finished": finished, "requests": len(seqs), "capped": finished < len(seqs), "cap_s": round(cap, 1),
+           "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
+    if finished < len(seqs) and cap < cap_s:
+        res["capped_by_budget"] = True
+        ctx.truncated = True
+    if "peak_allocated_delta_bytes" in probe:
+        probe["note"] = ("engine decode steps (logits copied out of the graph, sampled): what stays allocated "
+                         "after them, and their transient peak")
+        res["steady_state_memory"] = probe
+    return res
 
 
 def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
-    """transformers on the same weights: static-batch greedy `generate` (and continuous batching if cheap)."""
+    """transformers on the same weights and requests: static-batch greedy `generate`, then continuous
+    batching (each guarded: an API this transformers lacks, or an error, is recorded and the run goes on)."""
     import transformers
 
     model = synthetic(ctx)
@@ -490,11 +613,12 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
     missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).to(ctx.device)
-    out: dict[str, Any] = {"missing_keys": missing[:5], "unexpected_keys": unexpected[:5]}
+    out: dict[str, Any] = ctx.open({"missing_keys": missing[:5], "unexpected_keys": unexpected[:5],
+                                    "attn_implementation": getattr(hf.config, "_attn_implementation", None)})
 
-    def static(new_tokens: int = n_out) -> torch.Tensor:
+    def static(new_tokens: int = n_out, max_time: float | None = None) -> torch.Tensor:
         with torch.inference_mode():
-            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts),
+            return hf.generate(input_ids=prompts, attention_mask=torch.ones_like(prompts), max_time=max_time,
                                max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
 
     with torch.inference_mode():  # parity of the prefill logits on the same weights
@@ -502,13 +626,93 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
         theirs = hf(input_ids=prompts[:2]).logits[:, -1].float()
         out["prefill_logits_max_abs_diff"] = (ours - theirs).abs().max().item()
         out["prefill_top1_agree"] = (ours.argmax(-1) == theirs.argmax(-1)).float().mean().item()
-    static(4)  # warm-up
-    seqs, total = time_wall(static)
-    out["static_batch"] = {"seconds": total, "output_tok_per_s": n_req * n_out / total,
-                           "generated": int(seqs.shape[1] - n_in)}
+    static_first: list[int] = []
+    if ctx.has_time(30, "static batch"):
+        static(4)  # warm-up
+        seqs, total = time_wall(lambda: static(max_time=max(5.0, ctx.left() - 60)))  # 60 s kept for the rest
+        generated = int(seqs.shape[1] - n_in)
+        static_first = seqs[0, n_in:].tolist()
+        out["static_batch"] = {"seconds": total, "output_tok_per_s": n_req * generated / total,
+                               "generated": generated, "capped": generated < n_out}
+        ctx.checkpoint(f"static batch: {out['static_batch']['output_tok_per_s']:.0f} tok/s")
+    if ctx.has_time(45, "continuous batching"):
+        _free()  # the manager sizes its paged cache from the memory free now
+        try:
+            out["continuous_batching"] = hf_continuous_batching(hf, prompts.tolist(), n_out, ctx.args.hf_cb_cap_s,
+                                                                static_first, ctx.section_deadline)
+        except Exception:  # an API this transformers lacks or refuses: record it, keep the static figure
+            out["continuous_batching"] = {"error": traceback.format_exc(limit=6)}
+        cb = out["continuous_batching"]
+        if cb.get("capped"):
+            ctx.truncated = ctx.truncated or cb["cap_s"] < ctx.args.hf_cb_cap_s
+        ctx.checkpoint(f"continuous batching: {cb.get('output_tok_per_s', cb.get('error', '')[-200:])}")
+    rates = [out[k]["output_tok_per_s"] for k in ("static_batch", "continuous_batching")
+             if "output_tok_per_s" in out.get(k, {})]
+    if rates:
+        out["output_tok_per_s"] = max(rates)
     del hf
-    torch.cuda.empty_cache()
+    _free()
     return out
+
+
+def hf_continuous_batching(hf: Any, prompts: list[list[int]], n_out: int, cap_s: float,
+                           reference: list[int] | None = None, deadline: float = math.inf) -> dict[str, Any]:
+    """Greedy continuous batching of `prompts` through transformers' manager (what `generate_batch` runs),
+    timed from the first request in, after the manager's warm-up (CUDA-graph capture), capped at `cap_s`
+    and at `deadline` (perf_counter seconds).
+
+    EOS is off (eos_token_id None: the manager sets -1), so every request runs `n_out` tokens as in the
+    static batch. `reference`: request 0's static-batch tokens, to count how far the two agree."""
+    from transformers import GenerationConfig
+
+    if not hasattr(hf, "continuous_batching_context_manager"):
+        raise RuntimeError(f"transformers {__import__('transformers').__version__} has no continuous batching")
+    gen_config = GenerationConfig(max_new_tokens=n_out, do_sample=False, pad_token_id=0, eos_token_id=None)
+    kwargs: dict[str, Any] = {"generation_config": gen_config, "block": True, "timeout": 10.0, "warmup": True}
+    accepted = inspect.signature(hf.continuous_batching_context_manager).parameters
+    try:  # sizing hints as generate_batch passes them (absent in some versions)
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        if "workload_hints" in accepted:
+            kwargs["workload_hints"] = WorkloadHints(max_prompt_length=max(map(len, prompts)),
+                                                     max_generated_length=n_out)
+    except (ImportError, TypeError):
+        pass
+    kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+    done: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    with hf.continuous_batching_context_manager(**kwargs) as manager:
+        _sync()
+        t_in = time.perf_counter()
+        cap_s = max(0.0, min(cap_s, deadline - t_in))
+        manager.add_requests(inputs=prompts, max_new_tokens=n_out)
+        while len(done) < len(prompts) and time.perf_counter() - t_in < cap_s:
+            r = manager.get_result(timeout=1)
+            if r is not None and r.is_finished():
+                done[r.request_id] = r
+            elif r is None and not manager.is_running():
+                break
+        _sync()
+        total = time.perf_counter() - t_in
+        running = manager.is_running()
+        attn = getattr(hf.config, "_attn_implementation", None)  # the manager's paged variant while it runs
+        if len(done) < len(prompts) and hasattr(manager, "cancel_request"):
+            for i in range(len(prompts)):  # capped: stop the rest, or stop() would wait for them
+                if f"req_{i}" not in done:
+                    manager.cancel_request(f"req_{i}")
+    lengths = [len(r.generated_tokens) for r in done.values()]
+    errors = [str(r.error)[:200] for r in done.values() if getattr(r, "error", None)]
+    first = done.get("req_0")
+    agree = None
+    if first is not None and reference:
+        agree = next((i for i, (x, y) in enumerate(zip(first.generated_tokens, reference)) if x != y),
+                     min(len(first.generated_tokens), len(reference)))
+    return {"api": "continuous_batching_context_manager + add_requests/get_result",
+            "warmup_s": round(t_in - t0, 2), "seconds": total, "output_tok_per_s": sum(lengths) / total,
+            "finished": len(done), "requests": len(prompts), "capped": len(done) < len(prompts),
+            "cap_s": round(cap_s, 1), "generated_min_max": [min(lengths), max(lengths)] if lengths else None,
+            "errors": errors[:3], "manager_running_at_end": running,
+            "attn_implementation": attn, "first_request_tokens_equal_static": agree}
 
 
 def _our_prefill_logits(model: Any, prompts: torch.Tensor) -> torch.Tensor:
@@ -536,8 +740,10 @@ def bench_verify_cost(ctx: Ctx) -> dict[str, Any]:
     kv = model.allocate_kv_cache(2 + max_g * blocks_per_row, BLOCK_SIZE)
     fill_cache_(kv, seed=1)
     tables = contiguous_tables(max_g, blocks_per_row)
-    out: dict[str, Any] = {"context": context, "shapes": {}}
+    out: dict[str, Any] = ctx.open({"context": context, "shapes": {}})
     for g, w in shapes:
+        if not ctx.has_time(10, f"G x W {g}x{w}"):
+            break
         rows = [RowSpec(tables[r], context, w) for r in range(g)]
         meta = build_metadata(PassKind.VERIFY, rows, BLOCK_SIZE, ctx.device)
         ids = torch.randint(0, model.arch.vocab_size, (g * w,), device=ctx.device)
@@ -554,6 +760,7 @@ def bench_verify_cost(ctx: Ctx) -> dict[str, Any]:
                       "graph_ms_per_token": tg["median_ms"] / (g * w)})
         out["shapes"][f"{g}x{w}"] = entry
         del vg
+        ctx.checkpoint(f"verify {g}x{w}: eager {t['median_ms']:.2f} ms, graph {tg['median_ms']:.2f} ms")
     del kv
     torch.cuda.empty_cache()
     return out
@@ -589,32 +796,43 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 
 
 def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
+    """Natural rollbacks on SmolLM2, all requests deterministic (greedy): per W, DVR decode rows with the
+    verifier's attention numerics ("canonical") and with the split-KV kernel ("split")."""
     from engine.config import EngineConfig
     from engine.sampling import SamplingParams
 
     a = ctx.args
-    out: dict[str, Any] = {"prompts": a.rollback_prompts, "new_tokens": a.rollback_tokens, "windows": {}}
+    out = ctx.open({"prompts": a.rollback_prompts, "new_tokens": a.rollback_tokens, "group": a.group, "runs": {}})
     for w in a.rollback_windows:
-        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr", window=w, group=a.group,
-                                num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.rollback_prompts,
-                                max_num_batched_tokens=8192, cache_dir=a.cache_dir)
-        llm = smol_llm(ctx, config)
-        prompts = smollm2_prompts(llm.tokenizer, a.rollback_prompts)
-        params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
-                                deterministic=True, seed=1)
-        res = _drive(llm.core, prompts, params, a.rollback_cap_s, f"w{w}")
-        res["graphs"] = llm.bench_graphs
-        st = res["stats"]
-        committed = max(res["committed_tokens"], 1)
-        res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / committed
-        res["rollbacks_per_verify_pass"] = st.get("rollbacks", 0) / max(st.get("verify_passes", 1), 1)
-        res["rollbacks_per_committed_token"] = st.get("rollbacks", 0) / committed
-        if w == 32:
-            ctx.extras["smollm2_rollbacks_per_token_w32"] = res["rollbacks_per_committed_token"]
-        out["windows"][str(w)] = res
-        out["prompt_len_min_max"] = [min(map(len, prompts)), max(map(len, prompts))]
-        del llm
-        _free()
+        for attn in a.rollback_decode_attention:
+            key = f"W{w}-{attn}"
+            if not ctx.has_time(15, key):
+                continue
+            config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+                                    dtype="bfloat16", mode="dvr", window=w, group=a.group,
+                                    dvr_decode_attention=attn, num_kv_blocks=a.smol_kv_blocks,
+                                    max_num_seqs=a.rollback_prompts, max_num_batched_tokens=8192,
+                                    cache_dir=a.cache_dir)
+            llm = smol_llm(ctx, config)
+            prompts = smollm2_prompts(llm.tokenizer, a.rollback_prompts)
+            params = SamplingParams(max_tokens=a.rollback_tokens, temperature=0.0, ignore_eos=True,
+                                    deterministic=True, seed=1)
+            res = {"window": w, "dvr_decode_attention": attn,
+                   **_drive(ctx, llm.core, prompts, params, a.rollback_cap_s, f"w{w}{attn}")}
+            res["graphs"] = llm.bench_graphs
+            st = res["stats"]
+            committed = max(res["committed_tokens"], 1)
+            res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / committed
+            res["rollbacks_per_verify_pass"] = st.get("rollbacks", 0) / max(st.get("verify_passes", 1), 1)
+            res["rollbacks_per_committed_token"] = st.get("rollbacks", 0) / committed
+            if w == 32 and attn == "canonical":
+                ctx.extras["smollm2_rollbacks_per_token_w32"] = res["rollbacks_per_committed_token"]
+            out["runs"][key] = res
+            out["prompt_len_min_max"] = [min(map(len, prompts)), max(map(len, prompts))]
+            del llm
+            _free()
+            ctx.checkpoint(f"{key}: recompute {res['recompute_pct_of_output']:.2f} %, "
+                           f"{res['rollbacks_per_committed_token']:.5f} rollbacks/token, {res['seconds']:.0f}s")
     return out
 
 
@@ -649,50 +867,38 @@ def smol_llm(ctx: Ctx, config: Any) -> Any:
 
 def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
     """Issue 6 sweep on SmolLM2: W in 16/32/64 x G in 4/8/16/32, every request deterministic (greedy):
-    output tok/s and recompute rate per (W, G)."""
+    output tok/s and recompute rate per (W, G), DVR decode rows as --sweep-decode-attention says; then
+    the G=8 runs again with the other decode attention ("W32xG8-split-decode")."""
     from engine.config import EngineConfig
     from engine.sampling import SamplingParams
 
     a = ctx.args
-    out: dict[str, Any] = {"requests": a.sweep_requests, "new_tokens": a.sweep_tokens, "runs": {}}
-    for w in (16, 32, 64):
-        for g in (4, 8, 16, 32):
-            config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode="dvr",
-                                    window=w, group=g, num_kv_blocks=a.smol_kv_blocks,
-                                    max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
-            llm = smol_llm(ctx, config)
-            prompts = smollm2_prompts(llm.tokenizer, a.sweep_requests)
-            params = SamplingParams(max_tokens=a.sweep_tokens, temperature=0.0, ignore_eos=True, deterministic=True,
-                                    seed=1)
-            res = _drive(llm.core, prompts, params, a.compare_cap_s, f"sw{w}x{g}")
-            st = res["stats"]
-            res["recompute_pct_of_output"] = 100.0 * st.get("recomputed_tokens", 0) / max(res["committed_tokens"], 1)
-            out["runs"][f"W{w}xG{g}"] = res
-            del llm
-            _free()
-    if a.sweep_canonical_decode:  # same runs at G=8 with the fast path's attention = the verifier's kernel
-        from engine.attention.triton_paged import TritonPagedAttention
-
-        model = ctx.extras["smol"][1]
-        model.attention = TritonPagedAttention(decode="canonical")
-        try:
-            for w in (16, 32, 64):
-                config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16",
-                                        mode="dvr", window=w, group=8, num_kv_blocks=a.smol_kv_blocks,
-                                        max_num_seqs=a.sweep_requests, max_num_batched_tokens=8192,
-                                        cache_dir=a.cache_dir)
-                llm = smol_llm(ctx, config)
-                prompts = smollm2_prompts(llm.tokenizer, a.sweep_requests)
-                params = SamplingParams(max_tokens=a.sweep_tokens, temperature=0.0, ignore_eos=True,
-                                        deterministic=True, seed=1)
-                res = _drive(llm.core, prompts, params, a.compare_cap_s, f"swc{w}")
-                res["recompute_pct_of_output"] = (100.0 * res["stats"].get("recomputed_tokens", 0)
-                                                  / max(res["committed_tokens"], 1))
-                out["runs"][f"W{w}xG8-canonical-decode"] = res
-                del llm
-                _free()
-        finally:
-            model.attention = TritonPagedAttention()
+    attn = a.sweep_decode_attention
+    other = "split" if attn == "canonical" else "canonical"
+    out = ctx.open({"requests": a.sweep_requests, "new_tokens": a.sweep_tokens, "dvr_decode_attention": attn,
+                    "runs": {}})
+    runs = [(w, g, attn, f"W{w}xG{g}") for w in (16, 32, 64) for g in (4, 8, 16, 32)]
+    if a.sweep_other_decode:
+        runs += [(w, 8, other, f"W{w}xG8-{other}-decode") for w in (16, 32, 64)]
+    for w, g, decode_attn, key in runs:
+        if not ctx.has_time(10, key):
+            continue
+        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+                                dtype="bfloat16", mode="dvr", window=w, group=g, dvr_decode_attention=decode_attn,
+                                num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.sweep_requests,
+                                max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+        llm = smol_llm(ctx, config)
+        prompts = smollm2_prompts(llm.tokenizer, a.sweep_requests)
+        params = SamplingParams(max_tokens=a.sweep_tokens, temperature=0.0, ignore_eos=True, deterministic=True,
+                                seed=1)
+        res = {"window": w, "group": g, "dvr_decode_attention": decode_attn,
+               **_drive(ctx, llm.core, prompts, params, a.sweep_cap_s, f"sw-{key}")}
+        committed = max(res["committed_tokens"], 1)
+        res["recompute_pct_of_output"] = 100.0 * res["stats"].get("recomputed_tokens", 0) / committed
+        out["runs"][key] = res
+        del llm
+        _free()
+        ctx.checkpoint(f"{key}: {res['output_tok_per_s']:.0f} tok/s, recompute {res['recompute_pct_of_output']:.2f} %")
     return out
 
 
@@ -707,13 +913,16 @@ def sharegpt_like_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
     return [int(round(math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo))))) for x in u.tolist()]
 
 
-def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], out_lens: list[int],
-               cap_s: float, tag: str) -> dict[str, Any]:
-    """Each mode on the same requests (the first `share` of them deterministic); tok/s, p50/p99 latency."""
+def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[list[int]], out_lens: list[int],
+               cap_s: float, tag: str, modes: dict[str, Any]) -> dict[str, Any]:
+    """Each mode on the same requests (an evenly spread `share` of them deterministic): tok/s, p50/p99
+    request latency, filled into `modes` (part of the section's live result) one mode at a time."""
     from engine.sampling import SamplingParams
 
-    modes: dict[str, Any] = {}
     for name, mode, share in MODES:
+        if not ctx.has_time(15, f"{tag} {name}"):
+            modes[name] = {"skipped": "time budget"}
+            continue
         try:
             llm = make_llm(mode, share)
         except Exception as exc:  # e.g. a mode this build refuses: record it, measure the other modes
@@ -724,30 +933,40 @@ def _run_modes(make_llm: Callable[[str, float], Any], prompts: list[list[int]], 
         seqs = [llm.core.add_request(f"{tag}-{name}-{i}", p, SamplingParams(
             max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
             for i, (p, m) in enumerate(zip(prompts, out_lens))]
+        cap = ctx.cap(cap_s)
         _sync()
         t0 = time.perf_counter()
         done: dict[str, float] = {}
-        while len(done) < len(seqs) and time.perf_counter() - t0 < cap_s:
+        while len(done) < len(seqs) and time.perf_counter() - t0 < cap:
             llm.core.step()
             for s in seqs:
                 if s.is_finished and s.request_id not in done:
                     done[s.request_id] = time.perf_counter() - t0
+        _sync()
         total = time.perf_counter() - t0
         lat = sorted(done.values())
         tokens = sum(len(s.tokens) for s in seqs)
         modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
                        "attention": getattr(llm.core.runner.model.attention, "name", None),
+                       "dvr_decode_attention": llm.config.dvr_decode_attention,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
                        "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs),
+                       "cap_s": round(cap, 1),
                        "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99),
                        "stats": {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}}
-        del llm
+        if len(done) < len(seqs) and cap < cap_s:
+            modes[name]["capped_by_budget"] = True
+            ctx.truncated = True
+        del llm, seqs
         _free()
-    base = modes.get("nondeterministic", {}).get("output_tok_per_s")
-    for entry in modes.values():
-        if base and "output_tok_per_s" in entry:
-            entry["ratio_to_nondeterministic"] = entry["output_tok_per_s"] / base
+        base = modes.get("nondeterministic", {}).get("output_tok_per_s")
+        for entry in modes.values():
+            if base and "output_tok_per_s" in entry:
+                entry["ratio_to_nondeterministic"] = entry["output_tok_per_s"] / base
+        ctx.checkpoint(f"{tag} {name}: {modes[name]['output_tok_per_s']:.0f} tok/s, ratio "
+                       f"{modes[name].get('ratio_to_nondeterministic', float('nan')):.3f}, "
+                       f"{len(done)}/{len(prompts)} done in {total:.1f}s")
     return modes
 
 
@@ -758,23 +977,39 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type, dtype="bfloat16", mode=mode, window=32,
-                                group=a.group, num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.compare_requests,
-                                max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+                                dtype="bfloat16", mode=mode, window=32, group=a.group,
+                                dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
+                                max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
         return smol_llm(ctx, config)
 
     probe = make("nondeterministic", 0.0)
     prompts = smollm2_prompts(probe.tokenizer, a.compare_requests)
     del probe
+    _free()
     out_lens = sharegpt_like_lengths(len(prompts), 7, 16, a.compare_tokens)
-    return {"model": "SmolLM2-135M-Instruct (GGUF)", "requests": len(prompts), "output_len_mean":
-            sum(out_lens) / len(out_lens), "window": 32, "group": a.group,
-            "modes": _run_modes(make, prompts, out_lens, a.compare_cap_s, "smol")}
+    out = ctx.open({"model": "SmolLM2-135M-Instruct (GGUF)", "requests": len(prompts),
+                    "output_len_mean": sum(out_lens) / len(out_lens), "window": 32, "group": a.group,
+                    "dvr_decode_attention": a.dvr_decode_attention, "modes": {}})
+    _run_modes(ctx, make, prompts, out_lens, a.compare_cap_s, "smol", out["modes"])
+    return out
 
 
 def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
-    """Issue 6 on the synthetic 8B (peaked logits: no natural rollbacks), rollbacks injected at the rate
-    measured on SmolLM2 (rollbacks per committed token at W=32) when that section ran first."""
+    """Issue 6 on the synthetic 8B: the ShareGPT-like mix and the fixed sets of --synthetic-sets."""
+    return _synthetic_modes(ctx, ctx.args.synthetic_sets)
+
+
+def bench_compare_modes_synthetic_long(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 on the synthetic 8B, the long fixed set(s) of --long-sets (4k in / 1k out)."""
+    return _synthetic_modes(ctx, ctx.args.long_sets)
+
+
+def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
+    """The synthetic 8B with peaked logits (no natural rollbacks), rollbacks injected at the rate measured
+    on SmolLM2 in this run (W=32, canonical DVR decode rows) when smollm2_rollback ran first, else
+    --fault-rate. Set "sharegpt" = the mix (log-uniform prompt and output lengths, results under "modes");
+    "NxPxO" = N requests of P prompt tokens and O output tokens (results under "fixed_NxPxO")."""
     from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.model_runner import ModelShape
@@ -786,36 +1021,47 @@ def bench_compare_modes_synthetic(ctx: Ctx) -> dict[str, Any]:
                                   attention_backend="triton", peaked=True)
     shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
                        model.arch.vocab_size, 8192)
-    fault_rate = ctx.extras.get("smollm2_rollbacks_per_token_w32", a.synthetic_fault_rate)
+    measured = a.use_measured_fault_rate and "smollm2_rollbacks_per_token_w32" in ctx.extras
+    fault_rate = ctx.extras["smollm2_rollbacks_per_token_w32"] if measured else a.fault_rate
     n = a.compare_requests
     gen = torch.Generator().manual_seed(3)
     in_lens = sharegpt_like_lengths(n, 11, 16, 512)
-    prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
-    out_lens = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
-    blocks = 2 + max(sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, out_lens)),
-                     *(int(c) * -(-(int(p) + int(o) + 64) // BLOCK_SIZE)
-                       for c, p, o in (spec.split("x") for spec in a.fixed_sets)))
+    mix_prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
+    mix_out = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
+    fixed = [spec for spec in sets if spec != "sharegpt"]
+    shapes = [tuple(int(x) for x in spec.split("x")) for spec in fixed]
+    blocks = 2 + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, mix_out))]
+                     + [c * -(-(p + o + 64) // BLOCK_SIZE) for c, p, o in shapes])
+    max_seqs = max([n] + [c for c, _, _ in shapes])
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(EngineConfig, a.engine_graphs, model="synthetic", device=ctx.device.type,
-                                dtype="bfloat16", mode=mode, window=32, group=a.group, num_kv_blocks=blocks, max_num_seqs=n,
-                                max_num_batched_tokens=8192, max_model_len=8192, fault_rate=fault_rate,
-                                fault_seed=5)
+                                dtype="bfloat16", mode=mode, window=32, group=a.group,
+                                dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
+                                max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
+                                fault_rate=fault_rate, fault_seed=5)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
         llm.bench_graphs = llm.core.runner.graphs_status
         return llm
 
-    res = {"model": f"synthetic {a.preset} (peaked logits)", "requests": n, "fault_rate": fault_rate,
-           "fault_rate_source": "SmolLM2 W=32" if "smollm2_rollbacks_per_token_w32" in ctx.extras else "default",
-           "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(out_lens) / n,
-           "modes": _run_modes(make, prompts, out_lens, a.compare_cap_s, "syn")}
-    for spec in a.fixed_sets:  # e.g. "16x1024x256": requests x prompt length x output length
-        count, p_len, o_len = (int(x) for x in spec.split("x"))
-        fixed = [torch.randint(0, model.arch.vocab_size, (p_len,), generator=gen).tolist() for _ in range(count)]
-        res[f"fixed_{spec}"] = {"requests": count, "prompt_len": p_len, "output_len": o_len,
-                                "modes": _run_modes(make, fixed, [o_len] * count, a.compare_cap_s, f"fx{spec}")}
+    res = ctx.open({"model": f"synthetic {a.preset} (peaked logits)", "sets": sets, "fault_rate": fault_rate,
+                    "fault_rate_source": ("SmolLM2 W=32 canonical, this run" if measured
+                                          else "--fault-rate (default: committed SmolLM2 W=32 measurement)"),
+                    "dvr_decode_attention": a.dvr_decode_attention, "window": 32, "group": a.group})
+    if "sharegpt" in sets:
+        res.update({"requests": n, "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(mix_out) / n,
+                    "modes": {}})
+        _run_modes(ctx, make, mix_prompts, mix_out, a.compare_cap_s, "syn", res["modes"])
+    for spec, (count, p_len, o_len) in zip(fixed, shapes):
+        prompts = [torch.randint(0, model.arch.vocab_size, (p_len,), generator=gen).tolist() for _ in range(count)]
+        entry = res[f"fixed_{spec}"] = {"requests": count, "prompt_len": p_len, "output_len": o_len, "modes": {}}
+        if p_len + o_len > GRAPH_MAX_LEN:
+            entry["note"] = (f"{count} requests, kept few so that the six modes fit one device call; rows longer "
+                             f"than {GRAPH_MAX_LEN} tokens decode eagerly (decode graphs are captured up to "
+                             f"{GRAPH_MAX_LEN})")
+        _run_modes(ctx, make, prompts, [o_len] * count, a.fixed_cap_s, f"fx{spec}", entry["modes"])
     del model
-    torch.cuda.empty_cache()
+    _free()
     return res
 
 
@@ -830,7 +1076,8 @@ SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "lite_generate": bench_lite_generate,
     "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
     "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
-    "compare_modes_synthetic": bench_compare_modes_synthetic, "wg_sweep": bench_wg_sweep,
+    "compare_modes_synthetic": bench_compare_modes_synthetic,
+    "compare_modes_synthetic_long": bench_compare_modes_synthetic_long, "wg_sweep": bench_wg_sweep,
 }
 
 
@@ -886,6 +1133,8 @@ def _panel_throughput(ax: Any, result: dict[str, Any]) -> bool:
                        ("engine\n+decode graphs", eng.get("decode_graphs", {}).get("output_tok_per_s")),
                        ("HF transformers\nstatic batch",
                         result.get("hf_generate", {}).get("static_batch", {}).get("output_tok_per_s")),
+                       ("HF transformers\ncontinuous batching",
+                        result.get("hf_generate", {}).get("continuous_batching", {}).get("output_tok_per_s")),
                        ("bandwidth\nlimit", result.get("lite_generate", {}).get("bandwidth_limit_tok_per_s"))):
         if val:
             bars[label] = val
@@ -913,14 +1162,20 @@ def _panel_verify(ax: Any, result: dict[str, Any]) -> bool:
 
 
 def _panel_rollback(ax: Any, result: dict[str, Any]) -> bool:
-    rb = {w: v for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items()
-          if "recompute_pct_of_output" in v}
-    if ax is None or not rb:
-        return bool(rb)
-    ax.bar([f"W={w}" for w in rb], [v["recompute_pct_of_output"] for v in rb.values()])
+    runs = {k: v for k, v in result.get("smollm2_rollback", {}).get("runs", {}).items()
+            if "recompute_pct_of_output" in v}
+    if ax is None or not runs:
+        return bool(runs)
+    windows = sorted({v["window"] for v in runs.values()})
+    attns = sorted({v["dvr_decode_attention"] for v in runs.values()})
+    width = 0.8 / len(attns)
+    for k, attn in enumerate(attns):
+        ys = [runs.get(f"W{w}-{attn}", {}).get("recompute_pct_of_output", 0) for w in windows]
+        ax.bar([i + k * width for i in range(len(windows))], ys, width, label=f"DVR decode rows: {attn}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(windows))], [f"W={w}" for w in windows])
     ax.axhline(7.0, color="k", ls="--", lw=0.8, label="target at W=32 (7 %)")
     ax.set_ylabel("recomputed tokens, % of output")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.set_title("SmolLM2 recompute rate (DVR, greedy)", fontsize=10)
     return True
 
@@ -951,12 +1206,17 @@ def _panel_sweep(ax: Any, result: dict[str, Any]) -> bool:
 
 def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
     series = {}
-    for sec, label in (("compare_modes", "SmolLM2 (natural rollbacks)"),
-                       ("compare_modes_synthetic", "synthetic 8B (injected rollbacks)")):
-        modes = result.get(sec, {}).get("modes", {})
-        vals = {k: v["ratio_to_nondeterministic"] for k, v in modes.items() if "ratio_to_nondeterministic" in v}
-        if vals:
-            series[label] = vals
+    for sec, label in (("compare_modes", "SmolLM2 mix (natural rollbacks)"),
+                       ("compare_modes_synthetic", "synthetic 8B mix"),
+                       ("compare_modes_synthetic_long", "synthetic 8B")):
+        sec_res = result.get(sec, {})
+        groups = [(label, sec_res.get("modes", {}))] + [
+            (f"synthetic 8B {k[len('fixed_'):]}", v.get("modes", {})) for k, v in sec_res.items()
+            if k.startswith("fixed_") and isinstance(v, dict)]
+        for name, modes in groups:
+            vals = {k: v["ratio_to_nondeterministic"] for k, v in modes.items() if "ratio_to_nondeterministic" in v}
+            if vals:
+                series[name] = vals
     if ax is None or not series:
         return bool(series)
     names = [n for n, _, _ in MODES]
@@ -966,55 +1226,118 @@ def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names)
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_ylabel("output tok/s ÷ nondeterministic")
-    ax.set_title("determinism strategies (same requests per model)", fontsize=10)
+    ax.set_title("determinism strategies (same requests per set; synthetic: injected rollbacks)", fontsize=9)
     ax.tick_params(axis="x", labelsize=7, rotation=20)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6)
     return True
 
 
 # ---- main ----------------------------------------------------------------------------------------
+def _csv_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _csv(text: str) -> list[str]:
+    return [x for x in text.split(",") if x]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine bench --device cuda", description=__doc__.split("\n")[0])
+    presets = "; ".join(f"{k} = {','.join(v)}" for k, v in SECTION_PRESETS.items() if k != "all")
+    p = argparse.ArgumentParser(prog="python -m engine bench --device cuda", description=__doc__.split("\n")[0],
+                                epilog=f"presets: {presets}")
     p.add_argument("--device", default="cuda", choices=["cuda"], help="accepted for `python -m engine bench`")
-    p.add_argument("--sections", default=",".join(SYNTHETIC_SECTIONS),
-                   help=f"comma list from {','.join(ALL_SECTIONS)} or 'all'")
+    p.add_argument("--sections", default="core",
+                   help=f"comma list of sections ({','.join(ALL_SECTIONS)}) and presets ({','.join(SECTION_PRESETS)})")
+    p.add_argument("--deadline-s", type=float, default=510.0,
+                   help="whole-run limit from start: later work is skipped/capped and marked truncated "
+                        "(keep it under the device call's limit)")
+    p.add_argument("--budget-s", default="",
+                   help="per-section limits: SECONDS for every section, or SECTION=SECONDS[,SECTION=SECONDS]")
     p.add_argument("--out", default="bench/results")
     p.add_argument("--name", default="gpu-bench", help="file stem of the JSON/PNG")
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count (quick runs)")
-    p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 16, 64])
+    p.add_argument("--batches", type=_csv_ints, default=[1, 16, 64])
     p.add_argument("--context", type=int, default=256, help="keys per row in decode_step / verify_cost")
     p.add_argument("--decode-attention", default="split", choices=["split", "canonical"],
-                   help="synthetic model's decode attention: split-KV kernel or the verifier's kernel")
+                   help="synthetic model's decode attention in the core sections: split-KV kernel or the verifier's")
     p.add_argument("--reps", type=int, default=50)
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--engine-cap-s", type=float, default=60.0)
+    p.add_argument("--hf-cb-cap-s", type=float, default=90.0, help="transformers continuous batching, timed part")
     p.add_argument("--gguf", default="default", help="SmolLM2 model for the smollm2 sections")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--rollback-windows", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
-    p.add_argument("--rollback-prompts", type=int, default=256)
+    p.add_argument("--dvr-decode-attention", default="canonical", choices=["canonical", "split"],
+                   help="EngineConfig.dvr_decode_attention in the compare_modes sections")
+    p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
+    p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
+                   help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
+    p.add_argument("--rollback-prompts", type=int, default=128)
     p.add_argument("--rollback-tokens", type=int, default=256)
-    p.add_argument("--rollback-cap-s", type=float, default=120.0)
+    p.add_argument("--rollback-cap-s", type=float, default=60.0)
     p.add_argument("--smol-kv-blocks", type=int, default=12000)
-    p.add_argument("--compare-requests", type=int, default=128)
+    p.add_argument("--compare-requests", type=int, default=96)
     p.add_argument("--compare-tokens", type=int, default=128)
-    p.add_argument("--compare-cap-s", type=float, default=60.0)
+    p.add_argument("--compare-cap-s", type=float, default=30.0, help="per mode, ShareGPT-like mixes")
+    p.add_argument("--fixed-cap-s", type=float, default=80.0, help="per mode, fixed request sets")
+    p.add_argument("--synthetic-sets", type=_csv, default=["sharegpt", "16x1024x256"],
+                   help="compare_modes_synthetic request sets: 'sharegpt' and/or REQUESTSxPROMPTxOUTPUT")
+    p.add_argument("--long-sets", type=_csv, default=["16x4096x1024"],
+                   help="compare_modes_synthetic_long request sets (the issue's 4k-in/1k-out)")
+    p.add_argument("--fault-rate", "--synthetic-fault-rate", dest="fault_rate", type=float,
+                   default=COMMITTED_SMOLLM2_FAULT_RATE,
+                   help="injected rollbacks per token on the synthetic 8B when this run did not measure SmolLM2 "
+                        "W=32 canonical first (default: the committed SmolLM2 W=32 measurement)")
+    p.add_argument("--no-measured-fault-rate", dest="use_measured_fault_rate", action="store_false",
+                   help="inject --fault-rate even when smollm2_rollback measured W=32 canonical in this run")
     p.add_argument("--sweep-requests", type=int, default=128)
     p.add_argument("--sweep-tokens", type=int, default=128)
-    p.add_argument("--no-sweep-canonical-decode", dest="sweep_canonical_decode", action="store_false",
-                   help="skip the W x G=8 runs whose fast path uses the verifier's attention kernel")
+    p.add_argument("--sweep-cap-s", type=float, default=30.0)
+    p.add_argument("--sweep-decode-attention", default="canonical", choices=["canonical", "split"])
+    p.add_argument("--no-sweep-other-decode", dest="sweep_other_decode", action="store_false",
+                   help="skip the G=8 runs with the other DVR decode attention")
     p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
-    p.add_argument("--fixed-sets", type=lambda s: [x for x in s.split(",") if x], default=["16x1024x256"],
-                   help="extra fixed request sets for compare_modes_synthetic, REQUESTSxPROMPTxOUTPUT "
-                        "(the issue's 4k/1k set: 8x4096x1024)")
-    p.add_argument("--synthetic-fault-rate", type=float, default=0.01,
-                   help="injected rollbacks per token on the synthetic 8B when SmolLM2 was not measured first")
     p.add_argument("--no-engine-graphs", dest="engine_graphs", action="store_false",
-                   help="SmolLM2 engine runs without the decode-graph hook")
-    return p.parse_args(argv)
+                   help="engine runs without CUDA graphs")
+    args = p.parse_args(argv)
+    try:
+        args.section_names = expand_sections(args.sections, args.compare_modes)
+        args.budgets = parse_budgets(args.budget_s)
+    except ValueError as exc:
+        p.error(str(exc))
+    return args
+
+
+def expand_sections(spec: str, compare_modes: bool = False) -> list[str]:
+    """'core,wg_sweep' -> the preset's sections then wg_sweep, each once, in order; unknown names raise."""
+    names: list[str] = []
+    for item in _csv(spec) + (["compare_modes", "compare_modes_synthetic"] if compare_modes else []):
+        expanded = SECTION_PRESETS.get(item, (item,))
+        unknown = [n for n in expanded if n not in ALL_SECTIONS]
+        if unknown:
+            raise ValueError(f"unknown sections {unknown}; known: {list(ALL_SECTIONS)}, "
+                             f"presets: {list(SECTION_PRESETS)}")
+        names += [n for n in expanded if n not in names]
+    return names
+
+
+def parse_budgets(spec: str) -> dict[str, float]:
+    """'120' -> every section 120 s; 'wg_sweep=200,hf_generate=90' -> those sections."""
+    spec = spec.strip()
+    if not spec:
+        return {}
+    if "=" not in spec:
+        return {name: float(spec) for name in ALL_SECTIONS}
+    budgets = {}
+    for item in _csv(spec):
+        name, _, seconds = item.partition("=")
+        if name not in ALL_SECTIONS:
+            raise ValueError(f"--budget-s: unknown section {name!r}")
+        budgets[name] = float(seconds)
+    return budgets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1023,43 +1346,67 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("bench --device cuda: no CUDA device", file=sys.stderr)
         return 2
-    names = list(ALL_SECTIONS) if args.sections == "all" else [s for s in args.sections.split(",") if s]
-    if args.compare_modes:
-        names += [n for n in ("compare_modes", "compare_modes_synthetic") if n not in names]
-    unknown = [n for n in names if n not in SECTIONS]
-    if unknown:
-        raise SystemExit(f"unknown sections {unknown}; known: {list(SECTIONS)}")
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(argv)}
-    ctx = Ctx(args=args, device=torch.device("cuda"), result=result)
-    json_path, png_path = out_dir / f"{args.name}.json", out_dir / f"{args.name}.png"
-    for name in names:
+    result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets}
+    ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
+    ctx.deadline = ctx.t_start + args.deadline_s
+    png_path = out_dir / f"{args.name}.png"
+    for name in args.section_names:
+        ctx.begin(name, args.budgets.get(name))
         t0 = time.perf_counter()
-        try:
-            result[name] = SECTIONS[name](ctx)
-        except Exception:  # a benchmark section's failure is a result to record, not a reason to stop
-            result[name] = {"error": traceback.format_exc(limit=8)}
+        if ctx.left() <= 0:
+            result[name] = {"skipped": "run deadline reached before the section", "truncated": True}
+        else:
+            try:
+                result[name] = SECTIONS[name](ctx)
+            except Exception:  # a benchmark section's failure is a result to record, not a reason to stop
+                result[name] = {**(ctx.live or {}), "error": traceback.format_exc(limit=8)}
+            result[name].pop("in_progress", None)
+            if ctx.truncated:
+                result[name]["truncated"] = True
         result[name]["section_s"] = round(time.perf_counter() - t0, 2)
-        print(f"[bench] {name}: {json.dumps(result[name], default=str)[:600]}", flush=True)
-        json_path.write_text(json.dumps(result, indent=1, default=str))
-    try:
-        chart(result, png_path)
-    except Exception:  # the JSON is the result; a chart failure must not lose it
-        result["chart_error"] = traceback.format_exc(limit=4)
-        json_path.write_text(json.dumps(result, indent=1, default=str))
+        ctx.log(f"done in {result[name]['section_s']:.1f}s: {json.dumps(result[name], default=str)[:400]}")
+        ctx.write()
+        try:
+            chart(result, png_path)
+        except Exception:  # the JSON is the result; a chart failure must not lose it
+            result["chart_error"] = traceback.format_exc(limit=4)
+            ctx.write()
     print(summary(result), flush=True)
     return 0
 
 
 def summary(result: dict[str, Any]) -> str:
-    lines = [f"== {result['environment']['device']} {result['environment']['date_utc']}"]
+    """The run's figures, one line each (what the lead reads in the call's output tail)."""
+    try:
+        lines = _summary_lines(result)
+    except Exception:  # the JSON holds the figures; a summary bug must not hide them
+        lines = ["summary failed: " + traceback.format_exc(limit=3)]
+    errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
+    truncated = [k for k, v in result.items() if isinstance(v, dict) and v.get("truncated")]
+    if errors:
+        lines.append(f"sections with errors: {errors}")
+    if truncated:
+        lines.append(f"sections truncated by the time budget: {truncated}")
+    return "\n".join(lines)
+
+
+def _summary_lines(result: dict[str, Any]) -> list[str]:
+    env = result.get("environment", {})
+    lines = [f"== {env.get('device')} {env.get('date_utc')}"]
     bw = result.get("bandwidth", {})
     if "tb_per_s" in bw:
         lines.append(f"copy bandwidth {bw['tb_per_s']} TB/s")
-    for b, v in result.get("decode_step", {}).get("batches", {}).items():
+    ds = result.get("decode_step", {})
+    for b, v in ds.get("batches", {}).items():
         lines.append(f"decode b={b}: {v['median_ms']:.2f} ms (floor {v['floor_ms']:.2f}, x{v['ratio_to_floor']:.2f}) "
-                     f"eager {v['eager_median_ms']} allocs {v['device_allocations_during_timed_steps']}")
+                     f"eager {v['eager_median_ms']} allocs {v['device_allocations_during_timed_steps']} "
+                     f"allocated +{v.get('memory_allocated_delta_bytes')} B "
+                     f"peak +{v.get('peak_allocated_delta_bytes')} B")
+    if "steady_state_zero_alloc" in ds:
+        lines.append(f"graphed decode steady state allocates 0 bytes: {ds['steady_state_zero_alloc']}")
     for b, v in result.get("decode_breakdown", {}).items():
         if isinstance(v, dict) and "weights_floor_ms" in v:
             lines.append(f"breakdown b={b}: gemms {v.get('gemms_unfused_ms', 0):.2f} ms, fused "
@@ -1072,11 +1419,11 @@ def summary(result: dict[str, Any]) -> str:
     if isinstance(prof, dict) and "kernels" in prof:
         lines.append(f"eager b=1 step: {prof['kernels']} kernels, {prof['device_us'] / 1e3:.2f} ms of kernel time; "
                      + ", ".join(f"{t['name'][:40]} x{t['count']} {t['us'] / 1e3:.2f}ms" for t in prof["top"][:5]))
-    mem = result.get("decode_step", {}).get("memory")
+    mem = ds.get("memory")
     if mem:
         lines.append(f"kv cache {mem['kv_cache_bytes'] / 2**30:.1f} GiB = {mem['kv_fraction_of_free']:.3f} of "
                      f"{mem['free_after_weights_bytes'] / 2**30:.1f} GiB free after weights; peak allocated "
-                     f"{result['decode_step'].get('peak_allocated_bytes', 0) / 2**30:.1f} GiB")
+                     f"{ds.get('peak_allocated_bytes', 0) / 2**30:.1f} GiB")
     v = result.get("lite_generate", {})
     if "output_tok_per_s" in v:
         lines.append(f"lite_generate: {v['output_tok_per_s']:.0f} tok/s (limit {v['bandwidth_limit_tok_per_s']:.0f})")
@@ -1084,31 +1431,39 @@ def summary(result: dict[str, Any]) -> str:
         v = result.get("engine_generate", {}).get(k, {})
         if "output_tok_per_s" in v:
             lines.append(f"engine {k}: {v['output_tok_per_s']:.0f} tok/s ({v['committed_tokens']} tokens, "
-                         f"capped={v['capped']})")
-    hf = result.get("hf_generate", {}).get("static_batch")
-    if hf:
-        lines.append(f"hf static batch: {hf['output_tok_per_s']:.0f} tok/s")
+                         f"capped={v['capped']}) steady-state memory {v.get('steady_state_memory')}")
+    hf = result.get("hf_generate", {})
+    for k in ("static_batch", "continuous_batching"):
+        v = hf.get(k, {})
+        if "output_tok_per_s" in v:
+            lines.append(f"hf {k}: {v['output_tok_per_s']:.0f} tok/s ({v['seconds']:.1f}s, capped={v.get('capped')}, "
+                         f"warm-up {v.get('warmup_s', '-')}s)")
+        elif "error" in v:
+            lines.append(f"hf {k}: error {v['error'].strip().splitlines()[-1][:200]}")
     for k, v in result.get("verify_cost", {}).get("shapes", {}).items():
         lines.append(f"verify {k}: {v['median_ms']:.2f} ms ({v['ms_per_token']:.4f} ms/tok) graph "
                      f"{v['graph_median_ms']:.2f} ms bit_exact={v['graph_bit_exact']}")
-    for w, v in result.get("smollm2_rollback", {}).get("windows", {}).items():
-        lines.append(f"smollm2 W={w}: recompute {v['recompute_pct_of_output']:.2f}% of {v['committed_tokens']} "
-                     f"tokens, {v['seconds']:.0f}s capped={v['capped']}")
-    fixed = {f"compare_modes_synthetic.{k}": v for k, v in result.get("compare_modes_synthetic", {}).items()
-             if k.startswith("fixed_") and isinstance(v, dict)}
-    for sec, sec_res in [(s_, result.get(s_, {})) for s_ in ("compare_modes", "compare_modes_synthetic")] + list(fixed.items()):
-        for k, v in sec_res.get("modes", {}).items():
-            ratio = v.get("ratio_to_nondeterministic")
-            lines.append(f"{sec} {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio "
-                         f"{'-' if ratio is None else f'{ratio:.3f}'} p50 {v.get('p50_latency_s')} "
-                         f"p99 {v.get('p99_latency_s')} {v.get('error', '')[:120]}")
+    for k, v in result.get("smollm2_rollback", {}).get("runs", {}).items():
+        lines.append(f"smollm2 {k}: recompute {v['recompute_pct_of_output']:.2f}% of {v['committed_tokens']} tokens, "
+                     f"{v['rollbacks_per_committed_token']:.5f} rollbacks/token, {v['seconds']:.0f}s "
+                     f"capped={v['capped']}")
+    for sec in ("compare_modes", "compare_modes_synthetic", "compare_modes_synthetic_long"):
+        sec_res = result.get(sec, {})
+        if "fault_rate" in sec_res:
+            lines.append(f"{sec}: fault rate {sec_res['fault_rate']:.5f} ({sec_res.get('fault_rate_source')})")
+        groups = [(sec, sec_res.get("modes", {}))] + [(f"{sec}.{k}", v.get("modes", {})) for k, v in sec_res.items()
+                                                      if k.startswith("fixed_") and isinstance(v, dict)]
+        for label, modes in groups:
+            for k, v in modes.items():
+                ratio = v.get("ratio_to_nondeterministic")
+                lines.append(f"{label} {k}: {v.get('output_tok_per_s', 0):.0f} tok/s ratio "
+                             f"{'-' if ratio is None else f'{ratio:.3f}'} p50 {v.get('p50_latency_s')} "
+                             f"p99 {v.get('p99_latency_s')} {v.get('finished', '-')}/{v.get('requests', '-')} "
+                             f"{v.get('error', v.get('skipped', ''))[:120]}")
     for k, v in result.get("wg_sweep", {}).get("runs", {}).items():
         lines.append(f"sweep {k}: {v['output_tok_per_s']:.0f} tok/s, recompute {v['recompute_pct_of_output']:.2f}%, "
                      f"{v['stats'].get('verify_passes')} verify passes, capped={v['capped']}")
-    errors = [k for k, v in result.items() if isinstance(v, dict) and "error" in v]
-    if errors:
-        lines.append(f"sections with errors: {errors}")
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

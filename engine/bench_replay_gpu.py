@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--fault-rate", type=float, default=0.0, help="fast-path candidate flip rate")
+    p.add_argument("--dvr-decode-attention", default="canonical", choices=["canonical", "split"],
+                   help="EngineConfig.dvr_decode_attention: DVR decode rows with the verifier's attention or split-KV")
     p.add_argument("--logit-scale", type=float, default=8.0, help="peaked synthetic logits' scale")
     p.add_argument("--no-graphs", action="store_true", help="eager decode/verify instead of CUDA graphs")
     p.add_argument("--out", default="bench/results")
@@ -68,7 +71,7 @@ def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
                           cuda_graphs=cuda and not args.no_graphs,
                           num_kv_blocks=2 + args.transcripts * per_seq, max_num_seqs=args.transcripts,
                           max_num_batched_tokens=max(4096, args.prompt_len), max_model_len=4096,
-                          fault_rate=args.fault_rate, fault_seed=1)
+                          fault_rate=args.fault_rate, fault_seed=1, dvr_decode_attention=args.dvr_decode_attention)
     return LLM.from_parts(config, model, shape, eos_ids=set())
 
 
@@ -76,17 +79,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from engine import ReplayRequest
     from engine.sampling import SamplingParams
 
+    t0 = time.perf_counter()
+
+    def progress(what: str) -> None:
+        print(f"[bench-replay +{time.perf_counter() - t0:6.1f}s] {what}", flush=True)
+
     model, shape = build(args)
     llm = make_llm(args, model, shape)
+    progress(f"model and engine built ({llm.core.runner.graphs_status})")
     gen = torch.Generator().manual_seed(3)
     prompts = torch.randint(0, shape.vocab_size, (args.transcripts, args.prompt_len), generator=gen).tolist()
     params = [SamplingParams(max_tokens=args.tokens, temperature=0.0 if i % 2 == 0 else 0.8, seed=1000 + i,
                              ignore_eos=True, deterministic=True) for i in range(args.transcripts)]
     llm.generate(prompts[:2], params[:2])  # warm-up: Triton compiles, graphs' first replays
+    progress("warm-up done")
     outs, gen_s = time_wall(lambda: llm.generate(prompts, params))
+    progress(f"generated {args.transcripts} transcripts in {gen_s:.1f}s")
     requests = [ReplayRequest(f"r{i}", o.prompt_token_ids, o.token_ids, p, o.windows, o.window_shape)
                 for i, (o, p) in enumerate(zip(outs, params))]
     results, replay_s = time_wall(lambda: llm.replay(requests))
+    progress(f"replayed them in {replay_s:.1f}s")
     matches = sum(r.first_mismatch is None and r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
                   for r, o in zip(results, outs))
     tokens = sum(len(o.token_ids) for o in outs)
@@ -94,7 +106,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "environment": {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
                         "torch": torch.__version__,
                         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                        "graphs": llm.core.runner.graphs_status},
+                        "graphs": llm.core.runner.graphs_status,
+                        "dvr_decode_attention": llm.config.dvr_decode_attention},
         "args": vars(args),
         "transcripts": args.transcripts, "tokens_per_transcript": args.tokens, "output_tokens": tokens,
         "generation_s": round(gen_s, 3), "replay_s": round(replay_s, 3),

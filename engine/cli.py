@@ -28,6 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print the full RequestOutput as JSON")
     _engine_flags(gen)
     bench = sub.add_parser("bench", help="throughput benchmark (or --replay) -> bench/results/*.json")
+    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                       help="cuda: the GPU benchmark, with its own flags (python -m engine bench --device cuda --help)")
     bench.add_argument("--replay", action="store_true", help="replay N transcripts together vs generating them")
     bench.add_argument("--num-prompts", type=int, default=16)
     bench.add_argument("--max-tokens", type=int, default=64)

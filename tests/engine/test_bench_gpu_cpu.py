@@ -1,0 +1,126 @@
+"""The GPU benchmark's pure-Python parts on the CPU: section presets, budgets, the clock, the mode runner
+over a tiny synthetic model, and the summary / chart of a result (no CUDA needed)."""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from engine import bench_gpu as bg
+
+
+def test_presets_expand_in_order_without_duplicates() -> None:
+    assert bg.expand_sections("core") == list(bg.SECTION_PRESETS["core"])
+    assert bg.expand_sections("bandwidth,core")[0] == "bandwidth"
+    assert bg.expand_sections("bandwidth,core").count("bandwidth") == 1
+    assert bg.expand_sections("all") == list(bg.ALL_SECTIONS)
+    assert bg.expand_sections("sweep", compare_modes=True) == ["wg_sweep", "compare_modes", "compare_modes_synthetic"]
+    assert set(bg.ALL_SECTIONS) == set(bg.SECTIONS)
+    with pytest.raises(ValueError, match="unknown sections"):
+        bg.expand_sections("core,nope")
+
+
+def test_budgets_parse() -> None:
+    assert bg.parse_budgets("") == {}
+    assert bg.parse_budgets("90")["wg_sweep"] == 90.0
+    assert bg.parse_budgets("wg_sweep=200,hf_generate=60") == {"wg_sweep": 200.0, "hf_generate": 60.0}
+    with pytest.raises(ValueError, match="unknown section"):
+        bg.parse_budgets("nope=3")
+
+
+def test_parse_args_defaults() -> None:
+    args = bg.parse_args(["--device", "cuda", "--sections", "modes,long", "--budget-s", "wg_sweep=5"])
+    assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
+                                  "compare_modes_synthetic_long"]
+    assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE
+    assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256"]
+    assert args.rollback_decode_attention == ["canonical", "split"]
+    assert bg.parse_args(["--synthetic-fault-rate", "0.02"]).fault_rate == 0.02
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--sections", "nope"])
+
+
+def _ctx(tmp_path: Path, left_s: float = 600.0) -> bg.Ctx:
+    ctx = bg.Ctx(args=argparse.Namespace(), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
+    ctx.deadline = time.perf_counter() + left_s
+    return ctx
+
+
+def test_clock_budget_and_checkpoint(tmp_path: Path) -> None:
+    ctx = _ctx(tmp_path)
+    ctx.begin("wg_sweep", budget_s=100.0)
+    assert 90 < ctx.left() <= 100 and ctx.cap(30) == 30 and ctx.cap(1000) <= 100
+    assert ctx.has_time(50, "x") and not ctx.truncated
+    assert not ctx.has_time(500, "y") and ctx.truncated
+    out = ctx.open({"runs": {}})
+    out["runs"]["a"] = 1
+    ctx.checkpoint("a done")
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert written["wg_sweep"] == {"runs": {"a": 1}, "in_progress": True}
+    ctx.begin("hf_generate", budget_s=None)
+    assert not ctx.truncated and ctx.live is None and ctx.left() > 500
+
+
+@pytest.fixture(scope="module")
+def tiny_make() -> Any:
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.model_runner import ModelShape
+    from engine.models.synthetic import build_synthetic_model
+
+    model = build_synthetic_model("tiny", torch.float32, "cpu", seed=0, peaked=True)
+    shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim, model.arch.vocab_size, 512)
+
+    def make(mode: str, share: float) -> Any:
+        config = EngineConfig(model="synthetic", device="cpu", dtype="float32", mode=mode, window=4, group=2,
+                              num_kv_blocks=64, max_num_seqs=8, fault_rate=0.1, fault_seed=5)
+        llm = LLM.from_parts(config, model, shape, eos_ids=set())
+        llm.bench_graphs = llm.core.runner.graphs_status
+        return llm
+
+    return make
+
+
+def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, tiny_make: Any) -> None:
+    ctx = _ctx(tmp_path)
+    ctx.begin("compare_modes_synthetic", None)
+    res = ctx.open({"fault_rate": 0.1, "fault_rate_source": "test", "modes": {}})
+    prompts = [[3 + i, 5, 7, 9 + i] for i in range(6)]
+    bg._run_modes(ctx, tiny_make, prompts, [6, 3, 8, 5, 4, 7], 60.0, "t", res["modes"])
+    modes = res["modes"]
+    assert list(modes) == [name for name, _, _ in bg.MODES]
+    for name, entry in modes.items():
+        if "error" in entry:  # a mode this CPU build refuses is recorded, not raised
+            continue
+        assert entry["finished"] == 6 and not entry["capped"], name
+        assert entry["committed_tokens"] == 33 and "ratio_to_nondeterministic" in entry
+        assert entry["p50_latency_s"] <= entry["p99_latency_s"]
+    assert modes["dvr_100pct"]["deterministic_requests"] == 6 and modes["dvr_50pct"]["deterministic_requests"] == 3
+    assert modes["dvr_100pct"]["stats"]["verify_passes"] > 0
+    assert json.loads((tmp_path / "r.json").read_text())["compare_modes_synthetic"]["in_progress"]
+    ctx.result["compare_modes_synthetic"] = res
+    ctx.result["environment"] = {"device": "cpu", "date_utc": "now", "command": "test"}
+    text = bg.summary(ctx.result)
+    assert "compare_modes_synthetic dvr_100pct" in text and "summary failed" not in text
+    bg.chart(ctx.result, tmp_path / "r.png")
+    assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: Any) -> None:
+    ctx = _ctx(tmp_path, left_s=5.0)
+    ctx.begin("compare_modes", None)
+    modes: dict[str, Any] = {}
+    bg._run_modes(ctx, tiny_make, [[1, 2, 3]], [4], 60.0, "t", modes)
+    assert ctx.truncated and all(v == {"skipped": "time budget"} for v in modes.values())
+
+
+def test_summary_reads_committed_results() -> None:
+    for name in ("gpu-bench-8b.json", "gpu-bench-modes.json", "gpu-bench-sweep.json"):
+        path = Path(__file__).resolve().parents[2] / "bench" / "results" / name
+        if path.exists():
+            assert "summary failed" not in bg.summary(json.loads(path.read_text()))
