@@ -1248,7 +1248,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda"], help="accepted for `python -m engine bench`")
     p.add_argument("--sections", default="core",
                    help=f"comma list of sections ({','.join(ALL_SECTIONS)}) and presets ({','.join(SECTION_PRESETS)})")
-    p.add_argument("--deadline-s", type=float, default=510.0,
+    p.add_argument("--deadline-s", type=float, default=480.0,
                    help="whole-run limit from start: later work is skipped/capped and marked truncated "
                         "(keep it under the device call's limit)")
     p.add_argument("--budget-s", default="",
