@@ -321,18 +321,21 @@ def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
     bw = _bandwidth(ctx)
     layers = model.model.layers
     out: dict[str, Any] = {}
-    fused = [(torch.cat([l.self_attn.q_proj.weight, l.self_attn.k_proj.weight, l.self_attn.v_proj.weight]),
-              l.self_attn.o_proj.weight, torch.cat([l.mlp.gate_proj.weight, l.mlp.up_proj.weight]),
+    fused = [(l.self_attn.qkv_proj.weight, l.self_attn.o_proj.weight, l.mlp.gate_up_proj.weight,
               l.mlp.down_proj.weight) for l in layers]
+    hf_w = model.hf_weights()  # HF names -> tensors (row views of the fused weights)
+    split = [[hf_w[f"model.layers.{i}.{n}.weight"] for n in ("self_attn.q_proj", "self_attn.k_proj",
+                                                               "self_attn.v_proj", "self_attn.o_proj",
+                                                               "mlp.gate_proj", "mlp.up_proj")]
+             for i in range(len(layers))]
     for b in (1, max(ctx.args.batches)):
         x_h = torch.randn(b, model.arch.hidden_size, dtype=model.dtype, device=ctx.device)
         x_i = torch.randn(b, model.arch.intermediate_size, dtype=model.dtype, device=ctx.device)
 
         def unfused() -> None:
-            for l in layers:
-                for lin in (l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj, l.self_attn.o_proj,
-                            l.mlp.gate_proj, l.mlp.up_proj):
-                    torch.nn.functional.linear(x_h, lin.weight)
+            for l, weights in zip(layers, split):
+                for w in weights:
+                    torch.nn.functional.linear(x_h, w)
                 torch.nn.functional.linear(x_i, l.mlp.down_proj.weight)
             torch.nn.functional.linear(x_h, model.lm_head.weight)
 
@@ -610,7 +613,7 @@ def bench_hf_generate(ctx: Ctx) -> dict[str, Any]:
             hf = transformers.LlamaForCausalLM(ctx.hf_config).eval()
     finally:
         torch.set_default_dtype(default)
-    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    missing, unexpected = hf.load_state_dict(model.hf_weights(), strict=False)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).to(ctx.device)
     out: dict[str, Any] = ctx.open({"missing_keys": missing[:5], "unexpected_keys": unexpected[:5],

@@ -84,6 +84,10 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         from engine.attention.triton_paged import KERNEL_ID
 
         fp["attention_kernel"] = KERNEL_ID
+    if device.type == "cuda" and config.mode != Mode.BATCH_INVARIANT:  # fused norm / rope / SwiGLU row kernels
+        from engine.kernels.triton_fused import KERNEL_ID as FUSED_KERNEL_ID
+
+        fp["row_kernels"] = FUSED_KERNEL_ID
     if device.type == "cuda":
         fp["cuda_version"] = torch.version.cuda or "unknown"
         fp["triton_version"] = _triton_version()
