@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU runs behind the README's H200 figures, one stage per device call (each call <= 10 min).
+#
+#   bench/h200.sh STAGE [STAGE ...]      run from the source root on the GPU machine; results go to $OUT
+#
+# Stages: setup (wheels from .whl/, SmolLM2 GGUF from ~/gm parts), tests (every `gpu`-marked test),
+# core (issue 5 benchmark on the synthetic 8B), replay (issue 4), modes (issue 6 comparison on the 8B
+# and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set).
+# The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
+# ../shared/tools/gpu-prep for how the wheels and the model parts get there.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+GGUF=${VERBATIM_GPU_GGUF:-$HOME/gm/SmolLM2-135M-Instruct.Q4_1.gguf}
+export VERBATIM_GPU_GGUF=$GGUF VERBATIM_GGUF=$GGUF
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+stage_setup() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING
+  if [ ! -s "$GGUF" ] && [ -s ~/gm/part-aa ] && [ -s .gpu/model-b/part-ab ]; then
+    cat ~/gm/part-aa .gpu/model-b/part-ab > "$GGUF"
+  fi
+  ls -la "$GGUF" || true
+  nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
+}
+
+stage_tests() {
+  timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/engine \
+    2>&1 | tee "$OUT/gpu-pytest.txt" | tail -40
+}
+
+stage_core() {
+  timeout "${CORE_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections core --out "$OUT" \
+    --name gpu-bench-8b 2>&1 | tail -60
+}
+
+stage_replay() {
+  timeout "${REPLAY_TIMEOUT:-300}" python3 -m engine bench --replay --device cuda --out "$OUT" 2>&1 | tail -30
+}
+
+stage_modes() {
+  timeout "${MODES_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections modes --gguf "$GGUF" \
+    --out "$OUT" --name gpu-bench-modes ${MODES_ARGS:-} 2>&1 | tail -60
+}
+
+stage_sweep() {
+  timeout "${SWEEP_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections sweep --gguf "$GGUF" \
+    --out "$OUT" --name gpu-bench-sweep ${SWEEP_ARGS:-} 2>&1 | tail -40
+}
+
+stage_long() {
+  timeout "${LONG_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections long --out "$OUT" \
+    --name gpu-bench-long ${LONG_ARGS:-} 2>&1 | tail -40
+}
+
+for s in "$@"; do
+  log "stage $s"
+  "stage_$s"
+  log "stage $s done"
+done
