@@ -43,6 +43,9 @@ class BlockManager:
 
     def ensure(self, owner: str, num_slots: int) -> list[int]:
         """Grow `owner`'s table to cover slots [0, num_slots); raises OutOfBlocks (nothing changed)."""
+        table = self._tables.get(owner)
+        if table is not None and len(table) * self.block_size >= num_slots:  # the common decode step
+            return table
         need = self.extra_blocks(owner, num_slots)
         if need > len(self._free):
             raise OutOfBlocks(f"{owner} needs {need} blocks, {len(self._free)} free")

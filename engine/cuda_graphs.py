@@ -4,13 +4,16 @@ A decode step of the 8B model is ~32 layers x ~15 kernels; launched one by one f
 more than the ~4 ms the weights take to stream. Each graph replays the whole forward + lm_head for a
 padded batch size over STATIC buffers:
 
-    static inputs  ids Long[B] | positions Long[B] | slots Long[B] | seq_lens Int[B] | tables Int[B, NB]
+    static inputs  ids Long[B] | positions Long[B] | slots Long[B] | seq_lens Int[B] | canonical Int[B]
+                   | tables Int[B, NB]
     static output  logits Float32[B, vocab]
 
-`run` copies a step's rows into pinned host staging buffers, moves them with one copy per dtype, pads
-the batch to the next captured size and replays: no device allocation per step. Padding rows feed
-token 0 at position 0, write their K/V to the scratch block (never read as a key) and attend to key 0
-of the zero block (seq_len 1), so they are finite and touch no live sequence.
+`run` copies a step's rows into pinned host staging buffers (numpy views, no per-row tensor ops), moves
+them with one copy per dtype, pads the batch to the next captured size and replays: no device
+allocation per step. Padding rows feed token 0 at position 0, write their K/V to the scratch block
+(never read as a key), attend to key 0 of the zero block (seq_len 1) and are not canonical, so they are
+finite and touch no live sequence. Graphs captured with `canonical=True` (DVR mode with
+dvr_decode_attention="canonical") pass the canonical buffer as AttentionMetadata.canonical_rows.
 
 Requires an attention backend whose decode `plan` needs no host sync (TritonPagedAttention, or the
 batch_invariant mode's BatchInvariantAttention). Rows whose block
@@ -21,9 +24,11 @@ bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they 
 """
 from __future__ import annotations
 
+import array
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from engine.attention.kv_cache import KVCache
@@ -34,53 +39,97 @@ GRAPH_SAFE_BACKENDS = ("triton", "batch_invariant")
 
 
 class _StaticPass:
-    """Static device buffers of one pass shape family (rows x tokens-per-row), with pinned staging."""
+    """Static device buffers of one pass shape family (rows x tokens-per-row), with host staging (pinned
+    on CUDA) that is filled through numpy views and moved with one copy per dtype.
+
+        i64  ids | positions | slots                   Int64[3, max_rows * tokens_per_row]
+        i32  seq_lens | canonical rows | block tables  Int32[R4 + R4 + max_rows * max_blocks]  (R4: max_rows
+             rounded up to 4, so every region starts on a 16-byte boundary)
+    """
 
     def __init__(self, max_rows: int, tokens_per_row: int, max_blocks: int, device: torch.device) -> None:
         n = max_rows * tokens_per_row
         self.max_rows, self.tokens_per_row, self.max_blocks = max_rows, tokens_per_row, max_blocks
-        self.i64 = torch.zeros(3, n, dtype=torch.long, device=device)                # ids | positions | slots
-        self.i32 = torch.zeros(max_rows * (1 + max_blocks), dtype=torch.int32, device=device)  # lens | tables
-        self.host_i64 = torch.zeros(3, n, dtype=torch.long).pin_memory()
-        self.host_i32 = torch.zeros(max_rows * (1 + max_blocks), dtype=torch.int32).pin_memory()
+        self.r4 = r4 = -(-max_rows // 4) * 4
+        cuda = device.type == "cuda"
+        self.i64 = torch.zeros(3, n, dtype=torch.long, device=device)
+        self.i32 = torch.zeros(2 * r4 + max_rows * max_blocks, dtype=torch.int32, device=device)
+        self.host_i64 = torch.zeros(3, n, dtype=torch.long, pin_memory=cuda)
+        self.host_i32 = torch.zeros(2 * r4 + max_rows * max_blocks, dtype=torch.int32, pin_memory=cuda)
+        self.np64 = self.host_i64.numpy()                                   # [3, n]
+        self.np_lens = self.host_i32.numpy()[:max_rows]
+        self.np_canonical = self.host_i32.numpy()[r4: r4 + max_rows]
+        self.np_tables = self.host_i32.numpy()[2 * r4:].reshape(max_rows, max_blocks)
         self.qsl = torch.arange(0, n + 1, tokens_per_row, dtype=torch.int32, device=device)  # Int[max_rows+1]
-        self.copied = torch.cuda.Event()  # the last H2D copy is done: staging may be overwritten
+        # the last H2D copy is done: staging may be overwritten
+        self.copied = torch.cuda.Event() if cuda else None
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
+        """ids, positions, slots, seq_lens, block_tables, query_start_loc of the first `rows` rows."""
         n = rows * self.tokens_per_row
         lens = self.i32[: self.max_rows][:rows]
-        tables = self.i32[self.max_rows:].view(self.max_rows, self.max_blocks)[:rows]
+        tables = self.i32[2 * self.r4:].view(self.max_rows, self.max_blocks)[:rows]
         return self.i64[0, :n], self.i64[1, :n], self.i64[2, :n], lens, tables, self.qsl[: rows + 1]
 
-    def stage(self, rows: int, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              seq_lens: Sequence[int], tables: Sequence[Sequence[int]], pad_slot: int, pad_block: int) -> None:
-        """Fill staging for `rows` padded rows (real rows first), then one H2D copy per dtype."""
+    def canonical_rows(self, rows: int) -> torch.Tensor:
+        """Int32[rows]: the canonical-row flags (padding rows 0)."""
+        return self.i32[self.r4: self.r4 + rows]
+
+    def stage(self, rows: int, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+              slots: Sequence[int] | np.ndarray, seq_lens: Sequence[int] | np.ndarray,
+              tables: Sequence[Sequence[int]] | np.ndarray, pad_slot: int, pad_block: int,
+              canonical: Sequence[int] | np.ndarray | None = None) -> None:
+        """Fill staging for `rows` padded rows (real rows first), then one H2D copy per dtype.
+
+        `tables`: one block list per real row, or an Int[real rows, NB] array already padded with
+        `pad_block`. Padding: token 0 at position 0 writing `pad_slot`, seq_len 1, table of `pad_block`,
+        canonical flag 0."""
         n_real, n = len(ids), rows * self.tokens_per_row
-        h64, h32 = self.host_i64, self.host_i32
-        self.copied.synchronize()
-        h64[:, :n].zero_()
-        h64[0, :n_real] = torch.tensor(ids, dtype=torch.long)
-        h64[1, :n_real] = torch.tensor(positions, dtype=torch.long)
-        h64[2, :n_real] = torch.tensor(slots, dtype=torch.long)
+        if self.copied is not None:
+            self.copied.synchronize()
+        h64 = self.np64
+        h64[:, n_real:n] = 0
+        h64[0, :n_real] = ids
+        h64[1, :n_real] = positions
+        h64[2, :n_real] = slots
         h64[2, n_real:n] = pad_slot
-        lens = h32[: self.max_rows]
-        tab = h32[self.max_rows:].view(self.max_rows, self.max_blocks)
-        lens[: len(seq_lens)] = torch.tensor(seq_lens, dtype=torch.int32)
-        lens[len(seq_lens):rows] = 1
-        tab[:rows].fill_(pad_block)
-        for r, t in enumerate(tables):
-            tab[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
+        r_real = len(seq_lens)
+        self.np_lens[:r_real] = seq_lens
+        self.np_lens[r_real:rows] = 1
+        self.np_canonical[:rows] = 0
+        if canonical is not None:
+            self.np_canonical[: len(canonical)] = canonical
+        tab = self.np_tables
+        tab[:rows] = pad_block
+        if isinstance(tables, np.ndarray):
+            tab[: tables.shape[0], : tables.shape[1]] = tables
+        elif tables:
+            flat: list[int] = []
+            for t in tables:
+                flat += t
+            widths = np.frombuffer(array.array("q", [len(t) for t in tables]), np.int64)
+            width = int(widths.max())
+            tab[: len(tables), :width][np.arange(width) < widths[:, None]] = np.frombuffer(array.array("i", flat),
+                                                                                          np.int32)
         # whole buffers: a copy of a strided slice would allocate a contiguous temporary on the device
-        self.i64.copy_(h64, non_blocking=True)
-        self.i32.copy_(h32, non_blocking=True)
-        self.copied.record()
+        self.i64.copy_(self.host_i64, non_blocking=True)
+        self.i32.copy_(self.host_i32, non_blocking=True)
+        if self.copied is not None:
+            self.copied.record()
+
+
+def _widest(tables: Sequence[Sequence[int]] | np.ndarray) -> int:
+    if isinstance(tables, np.ndarray):
+        return tables.shape[1]
+    return max(map(len, tables), default=0)
 
 
 class DecodeGraphs:
     """Captured decode forward + logits for each batch size in `batch_sizes` (up to `max_batch`)."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_seq_len: int,
-                 scratch_slot: int, zero_block: int = 0, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES) -> None:
+                 scratch_slot: int, zero_block: int = 0, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
+                 canonical: bool = False) -> None:
         backend = getattr(getattr(model, "attention", None), "name", None)
         if backend not in GRAPH_SAFE_BACKENDS:
             raise ValueError(f"CUDA graphs need an attention backend whose decode plan needs no host sync "
@@ -90,6 +139,7 @@ class DecodeGraphs:
         self.max_blocks = -(-max_seq_len // self.block_size)
         self.sizes = sorted({b for b in batch_sizes if b < max_batch} | {max_batch})
         self.scratch_slot, self.zero_block = scratch_slot, zero_block
+        self.canonical = canonical  # captured forwards read static canonical_rows (DVR, canonical decode)
         device = kv.k[0].device
         self.static = _StaticPass(max_batch, 1, self.max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -98,22 +148,25 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
-                   scratch_block: int, graph_max_len: int = 4096) -> DecodeGraphs:
-        """Captured graphs for an engine's model runner (longer rows fall back to eager decode)."""
+                   scratch_block: int, graph_max_len: int = 4096, canonical: bool = False) -> DecodeGraphs:
+        """Captured graphs for an engine's model runner (longer rows fall back to eager decode).
+        `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical"."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
-                     scratch_slot=scratch_block * kv.block_size)
+                     scratch_slot=scratch_block * kv.block_size, canonical=canonical)
         graphs.capture()
         return graphs
 
     def run_rows(self, rows: Sequence[Any]) -> torch.Tensor | None:
-        """`run` for model-runner rows (`.tokens` = [last token], `.start_pos`, `.block_table`)."""
-        return self.run([r.tokens[0] for r in rows], [r.start_pos for r in rows],
-                        [r.start_pos + 1 for r in rows], [r.block_table for r in rows])
+        """`run` for model-runner rows (`.tokens` = [last token], `.start_pos`, `.block_table`, `.canonical`)."""
+        starts = [r.start_pos for r in rows]
+        return self.run([r.tokens[0] for r in rows], starts, [p + 1 for p in starts], [r.block_table for r in rows],
+                        [r.canonical for r in rows] if self.canonical else None)
 
     def _forward(self, rows: int) -> torch.Tensor:
         ids, pos, slots, lens, tables, qsl = self.static.views(rows)
         meta = AttentionMetadata(kind=PassKind.DECODE, slot_mapping=slots, query_start_loc=qsl,
-                                 seq_lens=lens, block_tables=tables)
+                                 seq_lens=lens, block_tables=tables,
+                                 canonical_rows=self.static.canonical_rows(rows) if self.canonical else None)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
     @torch.inference_mode()
@@ -139,15 +192,18 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], positions: Sequence[int], seq_lens: Sequence[int],
-            tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
+            tables: Sequence[Sequence[int]], canonical: Sequence[int] | None = None) -> torch.Tensor | None:
         """Logits Float32[len(ids), vocab] (a view of the graph's static output; copy before the next
-        run), or None when this step cannot use a graph (batch or block table too large)."""
+        run), or None when this step cannot use a graph (batch or block table too large). Stages into
+        the static buffers and replays: nothing is allocated on the device. `canonical`: per-row flags
+        for AttentionMetadata.canonical_rows (used only by graphs captured with `canonical=True`)."""
         rows = self.padded_size(len(ids))
-        if rows is None or rows not in self.graphs or any(len(t) > self.max_blocks for t in tables):
+        if rows is None or rows not in self.graphs or _widest(tables) > self.max_blocks:
             return None
         bs = self.block_size
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
-        self.static.stage(rows, ids, positions, slots, seq_lens, tables, self.scratch_slot, self.zero_block)
+        self.static.stage(rows, ids, positions, slots, seq_lens, tables, self.scratch_slot, self.zero_block,
+                          canonical)
         self.graphs[rows].replay()
         return self.logits[rows][: len(ids)]
 
@@ -169,11 +225,13 @@ class VerifyGraph:
                                  seq_lens=lens, block_tables=tables)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
-    def stage(self, ids: Sequence[int], positions: Sequence[int], slots: Sequence[int],
-              seq_lens: Sequence[int], tables: Sequence[Sequence[int]]) -> bool:
-        """All G*W tokens given (dummies included, as the model runner lays them out). False when a
-        block table is wider than the captured one (the caller then runs the pass eagerly)."""
-        if len(ids) != self.group * self.window or any(len(t) > self.max_blocks for t in tables):
+    def stage(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
+              slots: Sequence[int] | np.ndarray, seq_lens: Sequence[int] | np.ndarray,
+              tables: Sequence[Sequence[int]] | np.ndarray) -> bool:
+        """All G*W tokens given (dummies included, as the model runner lays them out); tables as lists
+        or an Int[G, NB] array padded with block 0. False when a block table is wider than the captured
+        one (the caller then runs the pass eagerly)."""
+        if len(ids) != self.group * self.window or _widest(tables) > self.max_blocks:
             return False
         self.static.stage(self.group, ids, positions, slots, seq_lens, tables, 0, 0)
         return True

@@ -9,9 +9,11 @@ so they never touch a live sequence; dummy rows read only the zero block.
 """
 from __future__ import annotations
 
+import array
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from engine.attention.kv_cache import KVCache
@@ -48,6 +50,22 @@ class Row:
 DUMMY_TOKEN = 0
 
 
+@dataclass(frozen=True)
+class Layout:
+    """One pass's inputs on the host, T tokens in R rows (NB = the widest block table):
+
+        ids, positions, slots Int64[T]  (row r's token i at index query_start_loc[r] + i)
+        query_start_loc Int32[R+1] | seq_lens Int32[R] | block_tables Int32[R, NB] (padding -> ZERO_BLOCK)
+    """
+
+    ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_tables: np.ndarray
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, dtype: torch.dtype,
                  device: torch.device) -> None:
@@ -58,6 +76,8 @@ class ModelRunner:
         self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
+        # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
+        self.canonical_decode = config.mode == Mode.DVR and config.dvr_decode_attention == "canonical"
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured
         self.verify_graph: object | None = None    # engine.cuda_graphs.VerifyGraph when bit-exact
         self.graphs_status = "eager"
@@ -72,11 +92,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> torch.Tensor:
+        """Float32[len(rows), vocab]. Under CUDA graphs a view of the graph's static output, so it is valid
+        only until the next `decode` call: consume it (sample) before then, or copy it."""
         assert all(len(r.tokens) == 1 for r in rows)
         if self.decode_graphs is not None:
             logits = self.decode_graphs.run_rows(rows)  # None: batch or block table past the captured sizes
             if logits is not None:
-                return logits.float().clone()
+                return logits.float()  # already float32: no copy
         hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None)
         return self.model.compute_logits(hidden).float()
 
@@ -86,8 +108,8 @@ class ModelRunner:
         g, w = self.config.group, self.config.window
         assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
         if self.verify_graph is not None:
-            ids, pos, slots, _starts, lens, tables = self._layout(rows, pad_to=(g, w))
-            if self.verify_graph.stage(ids, pos, slots, lens, tables):
+            lay = self._layout(rows, pad_to=(g, w))
+            if self.verify_graph.stage(lay.ids, lay.positions, lay.slots, lay.seq_lens, lay.block_tables):
                 return self.verify_graph.replay().float().view(g, w, -1)[: len(rows)].clone()
         hidden, _ = self._forward(PassKind.VERIFY, rows, pad_to=(g, w))
         assert hidden.shape[0] == g * w, hidden.shape
@@ -103,7 +125,7 @@ class ModelRunner:
         max_len = min(self.config.max_model_len or self.shape.max_model_len, self.shape.max_model_len)
         try:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs, max_len,
-                                                         SCRATCH_BLOCK)
+                                                         SCRATCH_BLOCK, canonical=self.canonical_decode)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
@@ -125,48 +147,104 @@ class ModelRunner:
 
     def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
-        ids, pos, slots, starts, lens, tables = self._layout(rows, pad_to)
-        width = max(len(t) for t in tables)
-        dev = self.device
-        meta = AttentionMetadata(
-            kind=kind,
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [ZERO_BLOCK] * (width - len(t)) for t in tables], dtype=torch.int32,
-                                      device=dev),
-        )
-        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
-        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        lay = self._layout(rows, pad_to)
+        canonical = None
+        if kind == PassKind.DECODE and self.canonical_decode:
+            canonical = _int32([r.canonical for r in rows])
+        input_ids, positions, meta = self._to_device(kind, lay, canonical)
         return self.model(input_ids, positions, meta, self.kv), meta
 
-    def _layout(self, rows: list[Row], pad_to: tuple[int, int] | None
-                ) -> tuple[list[int], list[int], list[int], list[int], list[int], list[list[int]]]:
+    def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """One host buffer (pinned on CUDA), one copy to the device; every tensor is a view of it.
+
+        Int32 buffer, each region starting on a 16-byte boundary:
+            | ids | positions | slots (Int64[T] each) | query_start_loc | seq_lens | canonical? | block_tables |
+        """
+        t, r, nb = len(lay.ids), len(lay.seq_lens), lay.block_tables.shape[1]
+        sizes = (6 * t, r + 1, r, 0 if canonical is None else r, r * nb)
+        offs = [0]
+        for size in sizes:
+            offs.append(offs[-1] + -(-size // 4) * 4)
+        host = torch.empty(offs[-1], dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        h = host.numpy()
+        h64 = h[: 6 * t].view(np.int64)
+        h64[:t], h64[t: 2 * t], h64[2 * t:] = lay.ids, lay.positions, lay.slots
+        h[offs[1]: offs[1] + r + 1] = lay.query_start_loc
+        h[offs[2]: offs[2] + r] = lay.seq_lens
+        if canonical is not None:
+            h[offs[3]: offs[3] + r] = canonical
+        h[offs[4]: offs[4] + r * nb] = lay.block_tables.reshape(-1)
+        dev = host.to(self.device, non_blocking=True) if self.device.type != "cpu" else host
+        i64 = dev[: 6 * t].view(torch.int64)
+        meta = AttentionMetadata(
+            kind=kind,
+            slot_mapping=i64[2 * t:],
+            query_start_loc=dev[offs[1]: offs[1] + r + 1],
+            seq_lens=dev[offs[2]: offs[2] + r],
+            block_tables=dev[offs[4]: offs[4] + r * nb].view(r, nb),
+            canonical_rows=None if canonical is None else dev[offs[3]: offs[3] + r],
+        )
+        return i64[:t], i64[t: 2 * t], meta
+
+    def _layout(self, rows: list[Row], pad_to: tuple[int, int] | None) -> Layout:
         """Flatten rows; with pad_to=(G, W) pad each row to W tokens and the pass to G rows.
 
         Row layout under padding:  | real tokens (slots in the row's blocks) | dummies (scratch slots) |
+        A dummy token's slot is SCRATCH_BLOCK * bs + (its index in the pass) % bs; a dummy row has the
+        table [ZERO_BLOCK]. Positions are clamped to the model's context (dummies may run past it).
+        One Python pass over the rows; the per-token work is numpy.
         """
         bs = self.config.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
-        starts, lens, tables = [0], [], []
-        all_rows = list(rows)
         if pad_to is not None:
-            all_rows += [Row([], 0, [])] * (pad_to[0] - len(rows))
-        for row in all_rows:
-            n = len(row.tokens) if pad_to is None else pad_to[1]
-            for i in range(n):
-                p = row.start_pos + i
-                real = i < len(row.tokens)
-                ids.append(row.tokens[i] if real else DUMMY_TOKEN)
-                pos.append(min(p, self.shape.max_model_len - 1))
-                slots.append(row.block_table[p // bs] * bs + p % bs if real
-                             else SCRATCH_BLOCK * bs + len(slots) % bs)
-            starts.append(starts[-1] + n)
-            lens.append(row.start_pos + n)
-            tables.append(row.block_table or [ZERO_BLOCK])
-        return ids, pos, slots, starts, lens, tables
+            rows = [*rows, *[Row([], 0, [])] * (pad_to[0] - len(rows))]
+        num = len(rows)
+        tokens: list[int] = []
+        blocks: list[int] = []
+        for r in rows:
+            tokens += r.tokens
+            blocks += r.block_table
+        real = _int64([len(r.tokens) for r in rows])                                # [R] real tokens
+        start = _int64([r.start_pos for r in rows])                                 # [R]
+        have = _int64([len(r.block_table) for r in rows])                           # [R] blocks held
+        last_block = (start + real - 1) // bs
+        short = (real > 0) & (last_block >= have)
+        if short.any():
+            i = int(np.argmax(short))
+            raise ValueError(f"row {i}: tokens up to position {int(start[i] + real[i] - 1)} need "
+                             f"{int(last_block[i]) + 1} blocks of {bs}, its table has {int(have[i])}")
+        per_row = real if pad_to is None else np.full(num, pad_to[1], np.int64)      # [R] tokens in the pass
+        qsl = np.zeros(num + 1, np.int64)
+        np.cumsum(per_row, out=qsl[1:])
+        total = int(qsl[-1])
+        index = np.arange(total)                                                     # [T]
+        row_of = np.repeat(np.arange(num), per_row)                                  # [T]
+        offset = index - qsl[row_of]                                                 # [T] index in its row
+        pos = start[row_of] + offset                                                 # [T] absolute position
+        tables = np.full((num, max(1, int(have.max()))), ZERO_BLOCK, np.int32)       # [R, NB]
+        tables[np.arange(tables.shape[1]) < have[:, None]] = _int32(blocks)
+        if pad_to is None:  # every token is real
+            ids = _int64(tokens)
+            slots = tables[row_of, pos // bs].astype(np.int64) * bs + pos % bs
+        else:
+            is_real = offset < real[row_of]
+            ids = np.full(total, DUMMY_TOKEN, np.int64)
+            ids[is_real] = _int64(tokens)
+            slots = SCRATCH_BLOCK * bs + index % bs
+            p, rr = pos[is_real], row_of[is_real]
+            slots[is_real] = tables[rr, p // bs].astype(np.int64) * bs + p % bs
+        return Layout(ids=ids, positions=np.minimum(pos, self.shape.max_model_len - 1), slots=slots,
+                      query_start_loc=qsl.astype(np.int32), seq_lens=(start + per_row).astype(np.int32),
+                      block_tables=tables)
+
+
+def _int64(values: list[int]) -> np.ndarray:
+    """A list of Python ints as Int64 numpy (through array.array: about twice as fast as np.array)."""
+    return np.frombuffer(array.array("q", values), np.int64)
+
+
+def _int32(values: list[int]) -> np.ndarray:
+    return np.frombuffer(array.array("i", values), np.int32)
 
 
 CPU_KV_BLOCKS = 514

@@ -70,16 +70,45 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
     def schedule(self) -> Plan:
         self.step_index += 1
-        for planner in (self._plan_prefill, self._plan_verify, self._plan_decode):
-            plan = planner()
-            if plan is not None:
-                return plan
+        plan = self._plan_prefill()
+        if plan is not None:
+            return plan
+        preemptions = self.preemptions
+        ready, decodable = self._classify()
+        plan = self._plan_verify(ready, decodable)
+        if plan is not None:
+            return plan
+        if self.preemptions != preemptions:  # a verify attempt that granted nothing may have preempted
+            ready, decodable = self._classify()
+        plan = self._plan_decode(decodable)
+        if plan is not None:
+            return plan
         if self.running:  # nothing decodes and the verifier waits: force the ready rows through
-            plan = self._plan_verify(force=True)
+            ready, decodable = self._classify()
+            plan = self._plan_verify(ready, decodable, force=True)
             if plan is not None:
                 return plan
         assert not self.running, "scheduler stalled with running sequences"
         return Plan(StepKind.IDLE)
+
+    def _classify(self) -> tuple[list[Sequence], list[Sequence]]:
+        """Running sequences that need a verify pass, and those that can take a fast-path token, in
+        running order. Ready: teacher windows pending (rebuild / replay), or a DVR row whose candidates
+        are done. Decodable: FAST, or a DVR row still collecting candidates. One pass, one
+        `candidate_done` per DVR row."""
+        window, eos = self.config.window, self.eos_ids
+        ready: list[Sequence] = []
+        decodable: list[Sequence] = []
+        for s in self.running:
+            if s.status != SeqStatus.RUNNING:
+                continue
+            if s.pending_windows:
+                ready.append(s)
+            elif s.kind == SeqKind.FAST:
+                decodable.append(s)
+            elif s.kind == SeqKind.DVR:
+                (ready if candidate_done(s, window, eos) else decodable).append(s)
+        return ready, decodable
 
     def _plan_prefill(self) -> Plan | None:
         items: list[PrefillItem] = []
@@ -102,14 +131,12 @@ class Scheduler:
                 break
         return Plan(StepKind.PREFILL, prefill=items) if items else None
 
-    def _plan_verify(self, force: bool = False) -> Plan | None:
-        rows = [s for s in self.running if needs_verify(s, self.config.window, self.eos_ids)]
+    def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
         if not rows:
             return None
         for s in rows:  # teacher rows (rebuild / replay) start waiting when first seen: no starvation
             if s.ready_since is None:
                 s.ready_since = self.step_index
-        decodable = any(can_decode(s, self.config.window, self.eos_ids) for s in self.running)
         oldest = min(s.ready_since for s in rows if s.ready_since is not None)
         if not (force or len(rows) >= self.config.group or not decodable
                 or self.step_index - oldest >= self.config.window):
@@ -119,8 +146,7 @@ class Scheduler:
         built = [teacher_row(s) if s.pending_windows else dvr_row(s) for s in granted]
         return Plan(StepKind.VERIFY, verify=built) if built else None
 
-    def _plan_decode(self) -> Plan | None:
-        seqs = [s for s in self.running if can_decode(s, self.config.window, self.eos_ids)]
+    def _plan_decode(self, seqs: list[Sequence]) -> Plan | None:
         if not seqs:
             return None
         granted = self._allocate([(s, s.num_tokens) for s in seqs])
@@ -150,7 +176,7 @@ class Scheduler:
 
 
 def seq_key(seq: Sequence) -> str:
-    return f"{seq.kind.value}:{seq.request_id}"
+    return seq.key
 
 
 def prefill_item(seq: Sequence) -> PrefillItem:
@@ -165,22 +191,6 @@ def candidate_done(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
     if len(seq.candidates) >= seq.max_candidates(window):
         return True
     return bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
-
-
-def needs_verify(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
-    if seq.status != SeqStatus.RUNNING:
-        return False
-    if seq.pending_windows:
-        return True
-    return seq.kind == SeqKind.DVR and candidate_done(seq, window, eos_ids)
-
-
-def can_decode(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
-    if seq.status != SeqStatus.RUNNING or seq.pending_windows:
-        return False
-    if seq.kind == SeqKind.FAST:
-        return True
-    return seq.kind == SeqKind.DVR and not candidate_done(seq, window, eos_ids)
 
 
 def verify_slots(seq: Sequence) -> int:

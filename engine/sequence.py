@@ -66,6 +66,10 @@ class Sequence:
     recomputed_tokens: int = 0
     preemptions: int = 0
     ready_since: int | None = None                 # step at which it became ready for verify
+    key: str = field(init=False, repr=False)       # KV owner in the block manager: "<kind>:<request_id>"
+
+    def __post_init__(self) -> None:
+        self.key = f"{self.kind.value}:{self.request_id}"  # kind and request_id never change
 
     @property
     def prompt_len(self) -> int:

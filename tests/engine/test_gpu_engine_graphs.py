@@ -75,3 +75,27 @@ def test_kv_budget_follows_free_memory(smol: Any) -> None:
     print(f"[kv] blocks={runner.num_kv_blocks} bytes={kv_bytes} free_before={free_before}")
     assert llm.config.num_kv_blocks == runner.num_kv_blocks
     assert 0.04 * free_before <= kv_bytes <= 0.05 * free_before + per_block
+
+
+@pytest.mark.parametrize("attention", ["canonical", "split"])
+def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
+    """A steady-state graph decode step stages into static buffers and returns a view of the static
+    float32 logits: no device allocation. DVR with canonical decode passes the static canonical_rows."""
+    from engine.model_runner import Row
+
+    llm = make(smol, num_kv_blocks=400, cuda_graphs=True, dvr_decode_attention=attention)
+    runner = llm.core.runner
+    assert runner.decode_graphs is not None, runner.graphs_status
+    assert runner.decode_graphs.canonical == (attention == "canonical")
+    rows = [Row([5 + i], 20 + i, [2 + 2 * i, 3 + 2 * i], i % 2 == 0) for i in range(5)]  # blocks of no sequence
+    first = runner.decode(rows).clone()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    for _ in range(3):
+        logits = runner.decode(rows)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert logits.dtype == torch.float32 and tuple(logits.shape) == (5, smol[2].vocab_size)
+    assert torch.equal(logits, first)  # same inputs, same KV writes: the replay is deterministic
+    flags = runner.decode_graphs.static.canonical_rows(runner.decode_graphs.padded_size(5)).tolist()
+    assert flags == ([1, 0, 1, 0, 1] if attention == "canonical" else [0] * 5) + [0] * (len(flags) - 5)
