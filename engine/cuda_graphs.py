@@ -24,7 +24,6 @@ bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they 
 """
 from __future__ import annotations
 
-import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -61,6 +60,10 @@ class _StaticPass:
         self.np_canonical = self.host_i32.numpy()[r4: r4 + max_rows]
         self.np_tables = self.host_i32.numpy()[2 * r4:].reshape(max_rows, max_blocks)
         self.qsl = torch.arange(0, n + 1, tokens_per_row, dtype=torch.int32, device=device)  # Int[max_rows+1]
+        # what each host table row holds: a copy of the block list staged there (the rest is staged_pad), or
+        # None when unknown
+        self.staged: list[list[int] | None] = [None] * max_rows
+        self.staged_pad: int | None = None
         # the last H2D copy is done: staging may be overwritten
         self.copied = torch.cuda.Event() if cuda else None
 
@@ -70,6 +73,27 @@ class _StaticPass:
         lens = self.i32[: self.max_rows][:rows]
         tables = self.i32[2 * self.r4:].view(self.max_rows, self.max_blocks)[:rows]
         return self.i64[0, :n], self.i64[1, :n], self.i64[2, :n], lens, tables, self.qsl[: rows + 1]
+
+    def _stage_tables(self, rows: int, tables: Sequence[Sequence[int]] | np.ndarray, pad_block: int) -> None:
+        """Rows of block lists are rewritten only where they differ from what the row already holds
+        (`self.staged`, compared by value): from one decode step to the next most tables are unchanged,
+        so a step converts a few rows instead of every table."""
+        tab = self.np_tables
+        if isinstance(tables, np.ndarray):
+            tab[:rows] = pad_block
+            tab[: tables.shape[0], : tables.shape[1]] = tables
+            self.staged[:rows] = [None] * rows
+            return
+        if pad_block != self.staged_pad:
+            self.staged, self.staged_pad = [None] * self.max_rows, pad_block
+        staged, empty = self.staged, []
+        for r in range(rows):
+            t = tables[r] if r < len(tables) else empty  # padding rows hold only pad_block
+            if staged[r] != t:
+                row = tab[r]
+                row[:] = pad_block
+                row[: len(t)] = t
+                staged[r] = list(t)
 
     def canonical_rows(self, rows: int) -> torch.Tensor:
         """Int32[rows]: the canonical-row flags (padding rows 0)."""
@@ -99,18 +123,7 @@ class _StaticPass:
         self.np_canonical[:rows] = 0
         if canonical is not None:
             self.np_canonical[: len(canonical)] = canonical
-        tab = self.np_tables
-        tab[:rows] = pad_block
-        if isinstance(tables, np.ndarray):
-            tab[: tables.shape[0], : tables.shape[1]] = tables
-        elif tables:
-            flat: list[int] = []
-            for t in tables:
-                flat += t
-            widths = np.frombuffer(array.array("q", [len(t) for t in tables]), np.int64)
-            width = int(widths.max())
-            tab[: len(tables), :width][np.arange(width) < widths[:, None]] = np.frombuffer(array.array("i", flat),
-                                                                                          np.int32)
+        self._stage_tables(rows, tables, pad_block)
         # whole buffers: a copy of a strided slice would allocate a contiguous temporary on the device
         self.i64.copy_(self.host_i64, non_blocking=True)
         self.i32.copy_(self.host_i32, non_blocking=True)
