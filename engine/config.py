@@ -39,6 +39,9 @@ class EngineConfig:
     kv_memory_share: float = 0.9        # CUDA only, when num_kv_blocks is None
     max_num_seqs: int = 32              # max running sequences
     max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
+    canonical_prefill_min_tokens: int | None = None  # DVR / replay prompts are prefilled in passes of exactly
+                                        # max(this, next pow2 >= prompt) tokens (packed, dummy-padded); None:
+                                        # 1024 on CUDA, 64 on the CPU. Part of the runtime identity.
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
@@ -82,6 +85,10 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
+        if self.canonical_prefill_min_tokens is None:
+            object.__setattr__(self, "canonical_prefill_min_tokens", 1024 if on_cuda else 64)
+        _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",
+               f"must be >= 1, got {self.canonical_prefill_min_tokens}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical" if on_cuda else "split")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",

@@ -18,7 +18,7 @@ from engine.kernels import DEFAULT_SPLIT_SIZE
 from engine.kernels.tiles import TILE_ROWS
 from engine.sampling import SAMPLER_ID, sampler_impl
 
-ENGINE_VERSION = "0.1.0"
+ENGINE_VERSION = "0.2.0"
 _ISA_PREFIXES = ("avx2", "avx512", "amx", "fma", "f16c", "avx_vnni")
 
 
@@ -73,6 +73,7 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "window": config.window,
         "group": config.group,
         "kv_block_size": config.block_size,
+        "canonical_prefill_min_tokens": config.canonical_prefill_min_tokens,
         "sampler": SAMPLER_ID,
         "sampler_impl": sampler_impl(device),
         "dtype": str(config.resolved_dtype).removeprefix("torch."),

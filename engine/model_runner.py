@@ -85,10 +85,29 @@ class ModelRunner:
             self._capture_graphs()
 
     @torch.inference_mode()
-    def prefill(self, rows: list[Row]) -> torch.Tensor:
-        hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
-        last = meta.query_start_loc[1:].long() - 1
-        return self.model.compute_logits(hidden[last]).float()
+    def prefill(self, rows: list[Row], pass_tokens: int | None = None, logit_rows: int | None = None
+                ) -> torch.Tensor:
+        """Float32[len(rows), vocab]: the logits of each row's last token.
+
+        pass_tokens: a canonical pass — dummy rows (<= DUMMY_PREFILL_ROW tokens each, K/V to the scratch
+        block, keys from the zero block) pad it to exactly that many tokens, and the logits GEMM runs on
+        exactly `logit_rows` rows, so a row's bits depend only on its tokens and these two sizes.
+        """
+        if pass_tokens is None:
+            hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
+            last = meta.query_start_loc[1:].long() - 1
+            return self.model.compute_logits(hidden[last]).float()
+        assert logit_rows is not None and len(rows) <= logit_rows, (len(rows), logit_rows)
+        lay = self._layout(rows, pad_to=None)
+        real = len(lay.ids)
+        assert real <= pass_tokens, (real, pass_tokens)
+        lay = _pad_prefill(lay, pass_tokens - real, self.config.block_size)
+        input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
+        hidden = self.model(input_ids, positions, meta, self.kv)
+        last = np.zeros(logit_rows, np.int64)
+        last[: len(rows)] = lay.query_start_loc[1: len(rows) + 1] - 1
+        idx = torch.from_numpy(last).to(self.device, non_blocking=True)
+        return self.model.compute_logits(hidden[idx]).float()[: len(rows)]
 
     @torch.inference_mode()
     def decode(self, rows: list[Row]) -> torch.Tensor:
@@ -110,7 +129,8 @@ class ModelRunner:
         if self.verify_graph is not None:
             lay = self._layout(rows, pad_to=(g, w))
             if self.verify_graph.stage(lay.ids, lay.positions, lay.slots, lay.seq_lens, lay.block_tables):
-                return self.verify_graph.replay().float().view(g, w, -1)[: len(rows)].clone()
+                # a view of the graph's output: valid until the next verify; the caller samples it at once
+                return self.verify_graph.replay().float().view(g, w, -1)[: len(rows)]
         hidden, _ = self._forward(PassKind.VERIFY, rows, pad_to=(g, w))
         assert hidden.shape[0] == g * w, hidden.shape
         logits = self.model.compute_logits(hidden).float()  # [G*W, vocab], one fixed GEMM shape
@@ -236,6 +256,32 @@ class ModelRunner:
         return Layout(ids=ids, positions=np.minimum(pos, self.shape.max_model_len - 1), slots=slots,
                       query_start_loc=qsl.astype(np.int32), seq_lens=(start + per_row).astype(np.int32),
                       block_tables=tables)
+
+
+DUMMY_PREFILL_ROW = 64  # dummy rows of a canonical prefill pass are this short: their attention costs ~nothing
+
+
+def _pad_prefill(lay: Layout, count: int, block_size: int) -> Layout:
+    """Append `count` dummy tokens as rows of <= DUMMY_PREFILL_ROW tokens (positions 0.., K/V written to the
+    scratch block, keys read from the zero block); real rows keep their layout."""
+    if count <= 0:
+        return lay
+    lens = np.full(-(-count // DUMMY_PREFILL_ROW), DUMMY_PREFILL_ROW, np.int64)
+    lens[-1] = count - DUMMY_PREFILL_ROW * (len(lens) - 1)
+    real = len(lay.ids)
+    index = real + np.arange(count)
+    starts = np.zeros(len(lens), np.int64)
+    np.cumsum(lens[:-1], out=starts[1:])
+    pos = np.arange(count) - np.repeat(starts, lens)
+    width = max(lay.block_tables.shape[1], -(-DUMMY_PREFILL_ROW // block_size))
+    tables = np.full((lay.block_tables.shape[0] + len(lens), width), ZERO_BLOCK, np.int32)
+    tables[: lay.block_tables.shape[0], : lay.block_tables.shape[1]] = lay.block_tables
+    qsl = np.concatenate([lay.query_start_loc, (real + np.cumsum(lens)).astype(np.int32)])
+    return Layout(ids=np.concatenate([lay.ids, np.full(count, DUMMY_TOKEN, np.int64)]),
+                  positions=np.concatenate([lay.positions, pos]),
+                  slots=np.concatenate([lay.slots, SCRATCH_BLOCK * block_size + index % block_size]),
+                  query_start_loc=qsl, seq_lens=np.concatenate([lay.seq_lens, lens.astype(np.int32)]),
+                  block_tables=tables)
 
 
 def _int64(values: list[int]) -> np.ndarray:

@@ -40,6 +40,7 @@ class Plan:
     prefill: list[PrefillItem] = field(default_factory=list)
     decode: list[Sequence] = field(default_factory=list)
     verify: list[VerifyRow] = field(default_factory=list)
+    pass_tokens: int | None = None  # PREFILL: a canonical pass padded to exactly this many tokens
 
 
 class Scheduler:
@@ -111,25 +112,56 @@ class Scheduler:
         return ready, decodable
 
     def _plan_prefill(self) -> Plan | None:
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        if self.waiting[0].kind != SeqKind.FAST:
+            return self._plan_canonical_prefill()
         items: list[PrefillItem] = []
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             item = prefill_item(seq)
-            alone = seq.kind != SeqKind.FAST
-            if items and (alone or len(item.tokens) > budget):
+            if seq.kind != SeqKind.FAST or (items and len(item.tokens) > budget):
+                break  # a DVR / replay prompt waits for its own canonical pass (next step)
+            if not self._admit(seq, item):
                 break
-            if self.blocks.extra_blocks(seq_key(seq), len(item.tokens) + 1) > self.blocks.num_free:
-                break
-            self.blocks.ensure(seq_key(seq), len(item.tokens) + 1)
             self.waiting.popleft()
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
             items.append(item)
             budget -= len(item.tokens)
-            if alone:
-                break
         return Plan(StepKind.PREFILL, prefill=items) if items else None
+
+    def _plan_canonical_prefill(self) -> Plan | None:
+        """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the head's prompt) and
+        at most CANONICAL_PREFILL_ROWS prompts. It takes, in queue order, the DVR / replay prompts with the
+        same P and any non-deterministic prompt, while they fit; the rest of the pass is dummy tokens. A
+        row's bits depend only on its own tokens and P (every GEMM has M = P, the logits GEMM M = the row
+        cap), so a prompt prefilled here, alone or packed, later or in a replay, gives the same bits."""
+        head = self.waiting[0]
+        pass_tokens = canonical_prefill_tokens(self.config, len(prefill_item(head).tokens))
+        items: list[PrefillItem] = []
+        budget = pass_tokens
+        for seq in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
+                break
+            item = prefill_item(seq)
+            n = len(item.tokens)
+            if seq.kind != SeqKind.FAST and canonical_prefill_tokens(self.config, n) != pass_tokens:
+                continue  # another pass size: its own pass later
+            if n > budget or not self._admit(seq, item):
+                break
+            self.waiting.remove(seq)
+            items.append(item)
+            budget -= n
+        return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
+
+    def _admit(self, seq: Sequence, item: PrefillItem) -> bool:
+        """Reserve the prompt's KV (+1 slot) and move the sequence to running; False when KV is short."""
+        if self.blocks.extra_blocks(seq_key(seq), len(item.tokens) + 1) > self.blocks.num_free:
+            return False
+        self.blocks.ensure(seq_key(seq), len(item.tokens) + 1)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
         if not rows:
@@ -173,6 +205,17 @@ class Scheduler:
         seq.reset_for_rebuild()
         self.waiting.appendleft(seq)
         self.preemptions += 1
+
+
+CANONICAL_PREFILL_ROWS = 64  # prompts per canonical prefill pass; its logits GEMM always has this many rows
+
+
+def canonical_prefill_tokens(config: EngineConfig, prompt_len: int) -> int:
+    """The canonical prefill pass size of a DVR / replay prompt: a function of its length and the config
+    only — max(canonical_prefill_min_tokens, next power of two >= prompt_len), at most
+    max_num_batched_tokens (which bounds prompt lengths, so the prompt always fits)."""
+    pow2 = 1 << max(0, prompt_len - 1).bit_length()
+    return min(max(config.canonical_prefill_min_tokens, pow2), config.max_num_batched_tokens)
 
 
 def seq_key(seq: Sequence) -> str:

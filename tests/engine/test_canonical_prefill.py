@@ -1,0 +1,97 @@
+"""Canonical prefill passes: DVR / replay prompts packed into fixed-size passes.
+
+A pass has exactly P = canonical_prefill_tokens(prompt) tokens (dummy rows pad it) and its logits GEMM
+exactly CANONICAL_PREFILL_ROWS rows, so a prompt's bits do not depend on what it was packed with.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
+from engine.model_runner import DUMMY_PREFILL_ROW, DUMMY_TOKEN, ModelRunner, ModelShape, Row
+from engine.sampling import SamplingParams
+from engine.scheduler import CANONICAL_PREFILL_ROWS, Scheduler, StepKind, canonical_prefill_tokens
+from engine.sequence import Sequence, SeqKind
+from tests.engine.dvr_cases import assert_same
+from tests.engine.test_host_overhead import Recorder
+
+BS = 16
+
+
+def test_pass_size_is_a_function_of_the_prompt_and_config() -> None:
+    cfg = EngineConfig(device="cpu", canonical_prefill_min_tokens=64, max_num_batched_tokens=1000)
+    assert [canonical_prefill_tokens(cfg, n) for n in (1, 63, 64, 65, 200, 513, 1000)] == \
+        [64, 64, 64, 128, 256, 1000, 1000]
+    assert EngineConfig(device="cpu").canonical_prefill_min_tokens == 64
+
+
+def test_runner_pads_the_pass_and_the_logits_gemm() -> None:
+    model = Recorder()
+    seen: list[int] = []
+    model.compute_logits = lambda h: (seen.append(h.shape[0]), torch.zeros(h.shape[0], 8))[1]  # type: ignore
+    cfg = EngineConfig(device="cpu", num_kv_blocks=64, block_size=BS)
+    runner = ModelRunner(cfg, model, ModelShape(1, 1, 4, 8, 4096), torch.float32, torch.device("cpu"))
+    rows = [Row([5] * 20, 0, [2, 3]), Row([6] * 7, 0, [4])]
+    logits = runner.prefill(rows, pass_tokens=256, logit_rows=CANONICAL_PREFILL_ROWS)
+    assert logits.shape == (2, 8) and seen == [CANONICAL_PREFILL_ROWS]
+    ids, pos, meta = model.calls[-1]
+    assert ids.shape[0] == 256 and meta.slot_mapping.shape[0] == 256
+    qsl = meta.query_start_loc.tolist()
+    assert qsl[:3] == [0, 20, 27] and qsl[-1] == 256
+    dummy_lens = [b - a for a, b in zip(qsl[2:], qsl[3:])]
+    assert sum(dummy_lens) == 229 and max(dummy_lens) <= DUMMY_PREFILL_ROW
+    assert (ids[27:] == DUMMY_TOKEN).all()
+    assert ((meta.slot_mapping[27:] // BS) == SCRATCH_BLOCK).all()      # dummies never touch live blocks
+    assert (meta.block_tables[2:] == ZERO_BLOCK).all()                  # and read only the zero block
+    assert meta.slot_mapping[:20].tolist() == [2 * BS + i for i in range(16)] + [3 * BS + i for i in range(4)]
+
+
+def _seq(i: int, n: int, det: bool) -> Sequence:
+    return Sequence(f"r{i}", [7] * n, SamplingParams(deterministic=det), 1, SeqKind.DVR if det else SeqKind.FAST, i)
+
+
+def test_scheduler_packs_same_size_deterministic_prompts_and_fills_with_fast_ones() -> None:
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, canonical_prefill_min_tokens=64)
+    sched = Scheduler(cfg, set())
+    seqs = [_seq(0, 30, True), _seq(1, 100, True), _seq(2, 20, True), _seq(3, 10, False), _seq(4, 30, True)]
+    for s in seqs:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.kind == StepKind.PREFILL and plan.pass_tokens == 64
+    # r1 (128-token pass) is skipped, r0 + r2 + the fast r3 fit in 64, r4 would not
+    assert [it.seq.request_id for it in plan.prefill] == ["r0", "r2", "r3"]
+    plan = sched.schedule()
+    assert plan.pass_tokens == 128 and [it.seq.request_id for it in plan.prefill] == ["r1"]
+    plan = sched.schedule()
+    assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r4"]
+
+
+def test_fast_prompts_alone_are_batched_without_padding() -> None:
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 30, False), _seq(1, 40, False), _seq(2, 20, True)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
+
+
+def test_packed_prefill_gives_the_bits_of_a_lone_prefill(make_real_llm: Any, smollm2_source: Any) -> None:
+    """The same DVR prompts, prefilled alone and packed (with non-deterministic prompts filling the pass):
+    committed token ids and logprobs bitwise equal; the packed run really took fewer prefill passes."""
+    tok = smollm2_source.tokenizer
+    texts = ["The capital of France is", "Roses are red,", "def add(a, b):", "Once upon a time"]
+    prompts = [list(tok.encode(t)) for t in texts]
+    det = [SamplingParams(max_tokens=5, temperature=0.8 if i % 2 else 0.0, seed=50 + i, deterministic=True,
+                          ignore_eos=True) for i in range(len(prompts))]
+    alone = []
+    for p, sp in zip(prompts, det):
+        llm = make_real_llm(window=4, group=2)
+        alone += llm.generate([p], [sp])
+        assert llm.core.totals.prefill_passes == 1
+    llm = make_real_llm(window=4, group=2)
+    fast = SamplingParams(max_tokens=3, temperature=1.0, seed=3)
+    mixed = llm.generate(prompts + prompts[:2], det + [fast, fast])
+    assert llm.core.totals.prefill_passes == 1  # 4 DVR prompts + 2 fast ones in one 64-token pass
+    assert_same(mixed[:4], alone)
