@@ -952,6 +952,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
         modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
                        "attention": getattr(llm.core.runner.model.attention, "name", None),
                        "dvr_decode_attention": llm.config.dvr_decode_attention,
+                       "dvr_lookahead": llm.config.dvr_lookahead,
+                       "canonical_prefill_min_tokens": llm.config.canonical_prefill_min_tokens,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
                        "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs),
