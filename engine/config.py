@@ -50,6 +50,9 @@ class EngineConfig:
                                         # numerics (fewer rollbacks), "split" = the fast kernel like every other
                                         # row; auto: canonical on CUDA, split on the CPU (whose fp32 fast path
                                         # already agrees with the verifier). Never changes committed bits.
+    dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
+                                        # candidates past the window (None: W-1; 0: wait idle). Never changes
+                                        # committed bits, only how much fast-path work a rollback discards.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -85,6 +88,9 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
+        if self.dvr_lookahead is None:
+            object.__setattr__(self, "dvr_lookahead", self.window - 1)
+        _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         if self.canonical_prefill_min_tokens is None:
             object.__setattr__(self, "canonical_prefill_min_tokens", 1024 if on_cuda else 64)
         _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",

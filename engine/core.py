@@ -177,7 +177,7 @@ class EngineCore:
                 touched.append(seq)
             else:
                 seq.candidates.append(self._maybe_fault(seq, res.token))
-                if candidate_done(seq, self.config.window, self.eos_ids):
+                if seq.ready_since is None and candidate_done(seq, self.config.window, self.eos_ids):
                     seq.ready_since = self.scheduler.step_index
         return touched
 
@@ -201,9 +201,10 @@ class EngineCore:
             if row.kind == RowKind.TEACHER:
                 apply_teacher(row, samples)
             else:
-                m = apply_dvr(row, samples, self._commit)
-                self.totals.rollbacks += int(m <= n - 1)
-                self.totals.recomputed_tokens += n - m
+                rollbacks, recomputed = seq.rollbacks, seq.recomputed_tokens
+                apply_dvr(row, samples, self._commit)
+                self.totals.rollbacks += seq.rollbacks - rollbacks
+                self.totals.recomputed_tokens += seq.recomputed_tokens - recomputed
                 self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
             seq.ready_since = None
         self.totals.verify_passes += 1

@@ -46,6 +46,7 @@ class Plan:
 class Scheduler:
     def __init__(self, config: EngineConfig, eos_ids: set[int]) -> None:
         self.config = config
+        self.lookahead = config.dvr_lookahead if config.dvr_lookahead is not None else config.window - 1
         self.eos_ids = eos_ids
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -108,7 +109,10 @@ class Scheduler:
             elif s.kind == SeqKind.FAST:
                 decodable.append(s)
             elif s.kind == SeqKind.DVR:
-                (ready if candidate_done(s, window, eos) else decodable).append(s)
+                if candidate_done(s, window, eos):
+                    ready.append(s)
+                if can_run_ahead(s, window, eos, self.lookahead):
+                    decodable.append(s)
         return ready, decodable
 
     def _plan_prefill(self) -> Plan | None:
@@ -175,7 +179,7 @@ class Scheduler:
             return None
         chosen = rows[: self.config.group]
         granted = self._allocate([(s, verify_slots(s)) for s in chosen])
-        built = [teacher_row(s) if s.pending_windows else dvr_row(s) for s in granted]
+        built = [teacher_row(s) if s.pending_windows else dvr_row(s, self.config.window) for s in granted]
         return Plan(StepKind.VERIFY, verify=built) if built else None
 
     def _plan_decode(self, seqs: list[Sequence]) -> Plan | None:
@@ -234,6 +238,16 @@ def candidate_done(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
     if len(seq.candidates) >= seq.max_candidates(window):
         return True
     return bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
+
+
+def can_run_ahead(seq: Sequence, window: int, eos_ids: set[int], lookahead: int) -> bool:
+    """A DVR row may take another fast-path token: no stop candidate yet, and fewer than
+    max_candidates(W) + lookahead candidates (never past max_tokens). Run-ahead candidates wait for the
+    next window, so a row waiting for its verify pass keeps decoding instead of idling."""
+    if seq.candidates and seq.params.is_stop_token(seq.candidates[-1], eos_ids):
+        return False
+    cap = min(window - 1 + lookahead, seq.params.max_tokens - len(seq.tokens))
+    return len(seq.candidates) < cap
 
 
 def verify_slots(seq: Sequence) -> int:

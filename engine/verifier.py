@@ -39,11 +39,14 @@ class VerifyRow:
         return len(self.tokens)
 
 
-def dvr_row(seq: Sequence) -> VerifyRow:
+def dvr_row(seq: Sequence, window: int) -> VerifyRow:
+    """[last committed token, the first k candidates], k = min(#candidates, max_candidates(W)); candidates
+    past the window (the fast path ran ahead while the row waited) stay for the next window."""
     s = len(seq.tokens)
     assert s >= 1 and seq.candidates, (seq.request_id, s, len(seq.candidates))
     assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates), "fast path KV counter drift"
-    return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates], seq.prompt_len + s - 1, None)
+    k = min(len(seq.candidates), seq.max_candidates(window))
+    return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates[:k]], seq.prompt_len + s - 1, None)
 
 
 def teacher_row(seq: Sequence) -> VerifyRow:
@@ -61,17 +64,26 @@ def first_mismatch(candidates: list[int], verified: list[int]) -> int:
 
 
 def apply_dvr(row: VerifyRow, samples: list[SampleResult], commit: CommitFn) -> int:
-    """Commit candidates 1..m-1 and v_m (bonus when all match); roll back the rest. Returns m."""
+    """Commit candidates 1..m-1 and v_m (bonus when all k match); roll back the rest. Returns m.
+
+    Candidates past the window (run-ahead) survive only when all k matched and the first of them equals
+    the bonus v_{k+1} (it sits in the bonus slot): then the bonus is it, and the others stay candidates,
+    their fast-path KV kept (the next verify row rewrites it). Otherwise they are rolled back too.
+    """
     seq = row.seq
-    k = len(seq.candidates)
+    k = len(row.tokens) - 1
     assert len(samples) == k + 1, (len(samples), k)
-    m = first_mismatch(seq.candidates, [r.token for r in samples[:k]])
+    m = first_mismatch(seq.candidates[:k], [r.token for r in samples[:k]])
     start = len(seq.tokens)
     accepted = seq.candidates[: m - 1] + [samples[m - 1].token]
+    extra = seq.candidates[k:]
+    keep = m == k + 1 and bool(extra) and extra[0] == samples[k].token
+    remaining = extra[1:] if keep else []
+    dropped = (k - (m - 1)) + (0 if keep else len(extra))
     seq.candidates.clear()
-    if m <= k:
+    if dropped:
         seq.rollbacks += 1
-        seq.recomputed_tokens += k - (m - 1)
+        seq.recomputed_tokens += dropped
     seq.verify_passes += 1
     for tok, res in zip(accepted, samples[:m]):
         assert res.token == tok, "committed tokens are the verifier's"
@@ -80,9 +92,12 @@ def apply_dvr(row: VerifyRow, samples: list[SampleResult], commit: CommitFn) -> 
     end = len(seq.tokens)
     assert end > start, "a verify pass must commit at least one token"
     seq.windows.append((start, end))
-    # canonical KV now covers the row inputs that are committed: last token + candidates 1..m-1
-    seq.kv_len = row.start_pos + m
-    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1, (seq.kv_len, len(seq.tokens))
+    if keep and not seq.is_finished:  # the surviving run-ahead candidates keep their fast-path KV
+        seq.candidates.extend(remaining)
+    else:  # canonical KV now covers the row inputs that are committed: last token + candidates 1..m-1
+        seq.kv_len = row.start_pos + m
+    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1 + len(seq.candidates), (
+        seq.kv_len, len(seq.tokens), len(seq.candidates))
     return m
 
 

@@ -47,9 +47,11 @@ def test_fault_injection_does_not_change_output(make_mock_llm, workload, rate: f
     for o in faulty:
         assert_windows_cover(o, 8)
         assert all(e > s for s, e in o.windows)  # every pass commits >= 1 token
-        if rate == 1.0:  # every first candidate is wrong: exactly the verifier's one token per pass
-            assert all(e - s == 1 for s, e in o.windows)
-            assert o.verify_passes == len(o.token_ids) - 1
+    if rate == 1.0:  # every candidate differs from the fast path's token: almost always one token per pass
+        # (a replaced candidate can still equal the verifier's token by chance when the noisy fast path was
+        # wrong, ~1/VOCAB per window; without faults windows hold up to W tokens)
+        windows = [w for o in faulty for w in o.windows]
+        assert sum(e - s > 1 for s, e in windows) <= max(2, len(windows) // 20), windows
 
 
 def test_window_starts_move_but_output_does_not(make_mock_llm, workload) -> None:
@@ -149,3 +151,14 @@ def test_replay_is_not_starved_by_fast_traffic(make_mock_llm, workload) -> None:
         core.step()
     assert all(s.is_finished for s in seqs)
     assert [s.replay.predicted for s in seqs] == [o.token_ids for o in outs]
+
+
+def test_run_ahead_changes_speed_not_bits(make_mock_llm, workload) -> None:
+    """DVR rows waiting for their verify pass keep decoding (dvr_lookahead, default W-1): the committed
+    bits equal those of rows that wait idle (lookahead 0), and the run takes fewer steps."""
+    prompts, params = workload
+    idle = make_mock_llm(dvr_lookahead=0, group=8)
+    ahead = make_mock_llm(group=8)
+    out_idle, out_ahead = idle.generate(prompts, params), ahead.generate(prompts, params)
+    assert_same(out_idle, out_ahead)
+    assert ahead.core.totals.steps < idle.core.totals.steps, (ahead.core.totals.steps, idle.core.totals.steps)
