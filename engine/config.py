@@ -41,7 +41,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
     canonical_prefill_min_tokens: int | None = None  # DVR / replay prompts are prefilled in passes of exactly
                                         # max(this, next pow2 >= prompt) tokens (packed, dummy-padded); None:
-                                        # 1024 on CUDA, 64 on the CPU. Part of the runtime identity.
+                                        # max_num_batched_tokens on CUDA, 64 on the CPU. Part of the runtime
+                                        # identity.
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
@@ -92,7 +93,9 @@ class EngineConfig:
             object.__setattr__(self, "dvr_lookahead", self.window - 1)
         _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         if self.canonical_prefill_min_tokens is None:
-            object.__setattr__(self, "canonical_prefill_min_tokens", 1024 if on_cuda else 64)
+            # CUDA: the prefill token budget, so a canonical pass holds as much as a plain prefill pass (fast
+            # prompts fill it under load); a lone deterministic prompt pays for the whole pass. CPU: small.
+            object.__setattr__(self, "canonical_prefill_min_tokens", self.max_num_batched_tokens if on_cuda else 64)
         _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",
                f"must be >= 1, got {self.canonical_prefill_min_tokens}")
         if self.dvr_decode_attention == "auto":
