@@ -1280,7 +1280,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
-    p.add_argument("--rollback-prompts", type=int, default=128)
+    p.add_argument("--rollback-prompts", type=int, default=256)
     p.add_argument("--rollback-tokens", type=int, default=256)
     p.add_argument("--rollback-cap-s", type=float, default=60.0)
     p.add_argument("--smol-kv-blocks", type=int, default=12000)
