@@ -71,11 +71,16 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return _mix(x + _GAMMA)
 
 
+def noise_key(seed: int, position: int) -> np.ndarray:
+    """The per-(seed, position) key every vocab id's noise is hashed from: uint64 array of shape [1]."""
+    with np.errstate(over="ignore"):
+        return splitmix64(splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(position))
+
+
 def uniform(seed: int, position: int, vocab_size: int) -> np.ndarray:
     """u(seed, position, v) for v in [0, vocab): float64 in the open interval (0, 1). Shape [vocab]."""
     with np.errstate(over="ignore"):
-        key = splitmix64(splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(position))
-        bits = splitmix64(key ^ np.arange(vocab_size, dtype=np.uint64))
+        bits = splitmix64(noise_key(seed, position) ^ np.arange(vocab_size, dtype=np.uint64))
     return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0 ** -53)
 
 

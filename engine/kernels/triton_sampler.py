@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from types import ModuleType
 
+import numpy as np
 import torch
 
 SPLIT = 8192        # vocab ids per pass-1 program (multiple of BLOCK)
@@ -35,23 +36,11 @@ BLOCK = 1024        # ids per chunk inside a program
 NUM_WARPS = 4
 SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}"
 
-_GAMMA = 0x9E3779B97F4A7C15
-_M1 = 0xBF58476D1CE4E5B9
-_M2 = 0x94D049BB133111EB
-_U64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    z = (x + _GAMMA) & _U64
-    z = ((z ^ (z >> 30)) * _M1) & _U64
-    z = ((z ^ (z >> 27)) * _M2) & _U64
-    return z ^ (z >> 31)
-
-
 def row_key(seed: int, position: int) -> int:
-    """The per-(seed, position) key of engine.sampling.uniform, as a signed int64 (bit pattern kept)."""
-    key = _splitmix64(_splitmix64(seed) ^ position)
-    return key - (1 << 64) if key >= 1 << 63 else key
+    """engine.sampling.noise_key(seed, position) as a signed int64 (bit pattern kept) for the kernel."""
+    from engine.sampling import noise_key
+
+    return int(noise_key(seed, position).view(np.int64)[0])
 
 
 @functools.cache
