@@ -10,6 +10,7 @@ bf16 where the GPU rounds to nearest; float16 rounds correctly in both, so it st
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,7 +24,12 @@ from engine.attention import PassKind, RowSpec, build_metadata, positions_of
 from engine.kernels import TorchOps
 from engine.kernels.tiles import rms_norm_rows
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: test_fused_gpu.py runs these")
+# Run by tests/engine/test_fused_kernels_subprocess.py in a fresh interpreter with TRITON_INTERPRET=1 set
+# from the start: in a long pytest process, kernels other tests decorated earlier (compiled mode) must not mix
+# with these interpreted ones.
+INSIDE = os.environ.get("VERBATIM_FUSED_INTERPRETED") == "1"
+pytestmark = [pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: test_fused_gpu.py runs these"),
+              pytest.mark.skipif(not INSIDE, reason="runs in its own process (test_fused_kernels_subprocess.py)")]
 
 _SOURCE = Path(engine.kernels.__file__).with_name("triton_fused.py")
 DTYPES = [torch.float32, torch.float16]
