@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from auditor.transcript import Check
+
 Decode = Callable[[int], str]
 
 
@@ -26,25 +28,18 @@ class WindowView:
 
 
 @dataclass(frozen=True)
-class CheckView:
-    name: str
-    ok: bool
-    detail: str
-
-
-@dataclass(frozen=True)
 class TranscriptView:
     id: str
     summary: Mapping[str, Any]
     predicate: Mapping[str, Any]
-    checks: list[CheckView]
+    checks: list[Check]
     windows: list[WindowView] | None
     """``None`` when the content is not available (purged, or not disclosed)."""
     prompt_text: str | None
     output_text: str | None
     prompt_tokens: list[Token] | None
 
-    def check(self, name: str) -> CheckView | None:
+    def check(self, name: str) -> Check | None:
         return next((c for c in self.checks if c.name == name), None)
 
     @property
@@ -108,7 +103,7 @@ def windows_of(spans: Sequence[Sequence[int]], output_ids: Sequence[int], decode
 def transcript_view(doc: Mapping[str, Any], decode: Decode) -> TranscriptView:
     statement = statement_of(doc.get("envelope", {}))
     predicate = statement.get("predicate", {})
-    checks = [CheckView(c["name"], bool(c["ok"]), str(c["detail"])) for c in doc.get("verification", {}).get("checks", [])]
+    checks = [Check(c["name"], bool(c["ok"]), str(c["detail"])) for c in doc.get("verification", {}).get("checks", [])]
     output = doc.get("token_ids")
     prompt = doc.get("prompt_token_ids")
     spans = predicate.get("windows", {}).get("spans", [])
