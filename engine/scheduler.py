@@ -46,7 +46,6 @@ class Plan:
 class Scheduler:
     def __init__(self, config: EngineConfig, eos_ids: set[int]) -> None:
         self.config = config
-        self.lookahead = config.dvr_lookahead if config.dvr_lookahead is not None else config.window - 1
         self.eos_ids = eos_ids
         self.blocks = BlockManager(config.num_kv_blocks, config.block_size)
         self.waiting: deque[Sequence] = deque()
@@ -98,7 +97,7 @@ class Scheduler:
         running order. Ready: teacher windows pending (rebuild / replay), or a DVR row whose candidates
         are done. Decodable: FAST, or a DVR row still collecting candidates. One pass, one
         `candidate_done` per DVR row."""
-        window, eos = self.config.window, self.eos_ids
+        window, eos, lookahead = self.config.window, self.eos_ids, self.config.dvr_lookahead  # resolved by the config
         ready: list[Sequence] = []
         decodable: list[Sequence] = []
         for s in self.running:
@@ -111,7 +110,7 @@ class Scheduler:
             elif s.kind == SeqKind.DVR:
                 if candidate_done(s, window, eos):
                     ready.append(s)
-                if can_run_ahead(s, window, eos, self.lookahead):
+                if can_run_ahead(s, window, eos, lookahead):
                     decodable.append(s)
         return ready, decodable
 
