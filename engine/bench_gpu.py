@@ -840,30 +840,21 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
 
 
 def smol_llm(ctx: Ctx, config: Any) -> Any:
-    """An engine over SmolLM2 loaded once per run (weights shared by every config of the run).
+    """An engine over SmolLM2 loaded once per run (`load_model` of the first config: bfloat16, Triton
+    attention; the weights are shared by every config of the run).
 
-    batch_invariant goes through `LLM(config)`: the engine may build that model differently."""
+    batch_invariant goes through `LLM(config)`: the engine builds that model with its own ops."""
     from engine.config import Mode
     from engine.llm import LLM
+    from engine.model_runner import load_model
 
     if config.mode == Mode.BATCH_INVARIANT:
         llm = LLM(config)
     else:
         if "smol" not in ctx.extras:
-            from engine.loader import load_model_source
-            from engine.model_runner import ModelShape
-            from engine.models import arch_from_hf, build_model
-
-            cache = Path(config.cache_dir) if config.cache_dir else None
-            source = load_model_source(config.model, torch.bfloat16, cache)
-            model = build_model(source.hf_config, torch.bfloat16, ctx.device, "triton")
-            model.load_weights(source.weights())
-            arch = arch_from_hf(source.hf_config)
-            shape = ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size,
-                               source.info.max_model_len)
-            ctx.extras["smol"] = (source, model, shape)
-        source, model, shape = ctx.extras["smol"]
-        llm = LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
+            ctx.extras["smol"] = load_model(config)
+        loaded = ctx.extras["smol"]
+        llm = LLM.from_parts(config, loaded.model, loaded.shape, set(loaded.info.eos_token_ids), loaded.tokenizer)
     llm.bench_graphs = llm.core.runner.graphs_status
     return llm
 
