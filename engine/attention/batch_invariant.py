@@ -44,11 +44,9 @@ class BatchInvariantAttention:
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> BatchInvariantPlan:
         num_tokens = meta.num_tokens
-        if meta.kind is PassKind.DECODE and num_tokens == meta.num_rows:
-            rows = torch.arange(num_tokens, device=meta.seq_lens.device)
-            positions = meta.seq_lens.long() - 1
-        else:
-            rows, positions = query_layout(meta.seq_lens, meta.query_start_loc, num_tokens)
+        # None: query_layout's one-query-per-row layout, built without a host sync (CUDA-graph capturable)
+        decode = meta.kind is PassKind.DECODE and num_tokens == meta.num_rows
+        rows, positions = query_layout(meta.seq_lens, None if decode else meta.query_start_loc, num_tokens)
         return BatchInvariantPlan(meta.slot_mapping.to(torch.long), meta.block_tables, rows, positions,
                                   meta.block_tables.shape[1] * block_size)
 
