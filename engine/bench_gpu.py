@@ -507,7 +507,6 @@ def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
 
 def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     """The same requests through the engine core (nondeterministic), eager, then with decode graphs."""
-    from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.model_runner import ModelShape
     from engine.sampling import SamplingParams
@@ -515,7 +514,7 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     model = synthetic(ctx)
     n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
     blocks = 2 + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
-    config = _engine_config(EngineConfig, model="synthetic", device=ctx.device.type, dtype="bfloat16",
+    config = _engine_config(model="synthetic", device=ctx.device.type, dtype="bfloat16",
                             mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
                             max_num_batched_tokens=n_req * n_in, max_model_len=4096)
     shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
@@ -541,12 +540,14 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _engine_config(cls: Any, graphs: bool = True, **kw: Any) -> Any:
+def _engine_config(graphs: bool = True, **kw: Any) -> Any:
     """EngineConfig for a CUDA bench run: Triton attention (batch_invariant keeps its own) and, with
     `graphs`, the model runner's CUDA graphs (decode; verify when bit-exact)."""
+    from engine.config import EngineConfig
+
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
-    return cls(cuda_graphs=graphs, **kw)
+    return EngineConfig(cuda_graphs=graphs, **kw)
 
 
 def _free() -> None:
@@ -801,7 +802,6 @@ def smollm2_prompts(tokenizer: Any, n: int) -> list[list[int]]:
 def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
     """Natural rollbacks on SmolLM2, all requests deterministic (greedy): per W, DVR decode rows with the
     verifier's attention numerics ("canonical") and with the split-KV kernel ("split")."""
-    from engine.config import EngineConfig
     from engine.sampling import SamplingParams
 
     a = ctx.args
@@ -811,7 +811,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
             key = f"W{w}-{attn}"
             if not ctx.has_time(15, key):
                 continue
-            config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+            config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                     dtype="bfloat16", mode="dvr", window=w, group=a.group,
                                     dvr_decode_attention=attn, num_kv_blocks=a.smol_kv_blocks,
                                     max_num_seqs=a.rollback_prompts, max_num_batched_tokens=8192,
@@ -863,7 +863,6 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
     """Issue 6 sweep on SmolLM2: W in 16/32/64 x G in 4/8/16/32, every request deterministic (greedy):
     output tok/s and recompute rate per (W, G), DVR decode rows as --sweep-decode-attention says; then
     the G=8 runs again with the other decode attention ("W32xG8-split-decode")."""
-    from engine.config import EngineConfig
     from engine.sampling import SamplingParams
 
     a = ctx.args
@@ -877,7 +876,7 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
     for w, g, decode_attn, key in runs:
         if not ctx.has_time(10, key):
             continue
-        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+        config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                 dtype="bfloat16", mode="dvr", window=w, group=g, dvr_decode_attention=decode_attn,
                                 num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.sweep_requests,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
@@ -968,12 +967,10 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
 
 def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     """Issue 6 on SmolLM2 (natural rollbacks): ShareGPT-like output lengths, varied prompts."""
-    from engine.config import EngineConfig
-
     a = ctx.args
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, a.engine_graphs, model=a.gguf, device=ctx.device.type,
+        config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
                                 max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
@@ -1006,7 +1003,6 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     on SmolLM2 in this run (W=32, canonical DVR decode rows) when smollm2_rollback ran first, else
     --fault-rate. Set "sharegpt" = the mix (log-uniform prompt and output lengths, results under "modes");
     "NxPxO" = N requests of P prompt tokens and O output tokens (results under "fixed_NxPxO")."""
-    from engine.config import EngineConfig
     from engine.llm import LLM
     from engine.model_runner import ModelShape
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
@@ -1031,7 +1027,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     max_seqs = max([n] + [c for c, _, _ in shapes])
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(EngineConfig, a.engine_graphs, model="synthetic", device=ctx.device.type,
+        config = _engine_config(a.engine_graphs, model="synthetic", device=ctx.device.type,
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
                                 max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
