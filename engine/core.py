@@ -17,7 +17,7 @@ import numpy as np
 from engine.config import EngineConfig, Mode
 from engine.model_runner import ModelRunner, ModelShape, PagedModel, Row
 from engine.sampling import SampleResult, SamplingParams, sample_rows, splitmix64
-from engine.scheduler import CANONICAL_PREFILL_ROWS, Plan, Scheduler, StepKind, candidate_done, seq_key
+from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, apply_dvr, apply_teacher
 
@@ -136,8 +136,7 @@ class EngineCore:
 
     def _prefill(self, plan: Plan) -> list[Sequence]:
         rows = [Row(it.tokens, 0, self._table(it.seq)) for it in plan.prefill]
-        logits = self.runner.prefill(rows, plan.pass_tokens,
-                                     CANONICAL_PREFILL_ROWS if plan.pass_tokens else None)  # [R, vocab]
+        logits = self.runner.prefill(rows, plan.pass_tokens)  # [R, vocab]
         self.totals.prefill_passes += 1
         idx = [i for i, it in enumerate(plan.prefill) if it.sample]
         specs = [(plan.prefill[i].seq.params, plan.prefill[i].seq.seed, len(plan.prefill[i].tokens)) for i in idx]

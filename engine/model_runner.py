@@ -19,6 +19,7 @@ import torch
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode
+from engine.scheduler import CANONICAL_PREFILL_ROWS
 
 
 class PagedModel(Protocol):
@@ -85,26 +86,25 @@ class ModelRunner:
             self._capture_graphs()
 
     @torch.inference_mode()
-    def prefill(self, rows: list[Row], pass_tokens: int | None = None, logit_rows: int | None = None
-                ) -> torch.Tensor:
+    def prefill(self, rows: list[Row], pass_tokens: int | None = None) -> torch.Tensor:
         """Float32[len(rows), vocab]: the logits of each row's last token.
 
         pass_tokens: a canonical pass — dummy rows (<= DUMMY_PREFILL_ROW tokens each, K/V to the scratch
         block, keys from the zero block) pad it to exactly that many tokens, and the logits GEMM runs on
-        exactly `logit_rows` rows, so a row's bits depend only on its tokens and these two sizes.
+        exactly CANONICAL_PREFILL_ROWS rows, so a row's bits depend only on its tokens and these two sizes.
         """
         if pass_tokens is None:
             hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
             last = meta.query_start_loc[1:].long() - 1
             return self.model.compute_logits(hidden[last]).float()
-        assert logit_rows is not None and len(rows) <= logit_rows, (len(rows), logit_rows)
+        assert len(rows) <= CANONICAL_PREFILL_ROWS, (len(rows), CANONICAL_PREFILL_ROWS)
         lay = self._layout(rows, pad_to=None)
         real = len(lay.ids)
         assert real <= pass_tokens, (real, pass_tokens)
         lay = _pad_prefill(lay, pass_tokens - real, self.config.block_size)
         input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
         hidden = self.model(input_ids, positions, meta, self.kv)
-        last = np.zeros(logit_rows, np.int64)
+        last = np.zeros(CANONICAL_PREFILL_ROWS, np.int64)
         last[: len(rows)] = lay.query_start_loc[1: len(rows) + 1] - 1
         idx = torch.from_numpy(last).to(self.device, non_blocking=True)
         return self.model.compute_logits(hidden[idx]).float()[: len(rows)]

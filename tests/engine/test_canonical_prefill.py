@@ -34,7 +34,7 @@ def test_runner_pads_the_pass_and_the_logits_gemm() -> None:
     cfg = EngineConfig(device="cpu", num_kv_blocks=64, block_size=BS)
     runner = ModelRunner(cfg, model, ModelShape(1, 1, 4, 8, 4096), torch.float32, torch.device("cpu"))
     rows = [Row([5] * 20, 0, [2, 3]), Row([6] * 7, 0, [4])]
-    logits = runner.prefill(rows, pass_tokens=256, logit_rows=CANONICAL_PREFILL_ROWS)
+    logits = runner.prefill(rows, pass_tokens=256)
     assert logits.shape == (2, 8) and seen == [CANONICAL_PREFILL_ROWS]
     ids, pos, meta = model.calls[-1]
     assert ids.shape[0] == 256 and meta.slot_mapping.shape[0] == 256
