@@ -40,7 +40,6 @@ class TileGroup:
     stale_keys: tuple[torch.Tensor | None, ...]  # per tile, Bool[R, 1, tile, 1]: key pos >= the row's seq_len;
     # their V is zeroed so a stale NaN never meets p = 0 (0 * NaN); None when no key is stale
     block_ids: torch.Tensor  # Long[R, num_tiles * blocks_per_tile]
-    num_tiles: int
 
 
 @dataclass(frozen=True)
@@ -227,18 +226,17 @@ def _tile_group(
     last = torch.tensor([seq_lens[r] for r in rows], dtype=torch.long, device=device)
     q_pos = last[:, None] - n + torch.arange(n, device=device)[None, :]
     keys = torch.arange(num_tiles * tile, device=device).view(num_tiles, 1, 1, 1, 1, tile)
-    first_query = min(seq_lens[r] for r in rows) - n
+    shortest = min(seq_lens[r] for r in rows)  # the group's first query sits at shortest - n
     masks = tuple(
-        None if (t + 1) * tile <= first_query + 1 else keys[t] > q_pos[:, None, None, :, None]
+        None if (t + 1) * tile <= shortest - n + 1 else keys[t] > q_pos[:, None, None, :, None]
         for t in range(num_tiles)
     )
     block_ids = _padded_blocks(meta.block_tables, rows, num_tiles * bpt)
-    shortest = min(seq_lens[r] for r in rows)
     stale = tuple(
         None if (t + 1) * tile <= shortest else keys[t].view(1, 1, tile, 1) >= last.view(-1, 1, 1, 1)
         for t in range(num_tiles)
     )
-    return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, stale, block_ids, num_tiles)
+    return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, stale, block_ids)
 
 
 def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> DecodeBatch:
