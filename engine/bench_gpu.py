@@ -1279,8 +1279,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="compare_modes_synthetic request sets: 'sharegpt' and/or REQUESTSxPROMPTxOUTPUT")
     p.add_argument("--long-sets", type=_csv, default=["16x4096x1024"],
                    help="compare_modes_synthetic_long request sets (the issue's 4k-in/1k-out)")
-    p.add_argument("--fault-rate", "--synthetic-fault-rate", dest="fault_rate", type=float,
-                   default=COMMITTED_SMOLLM2_FAULT_RATE,
+    p.add_argument("--fault-rate", type=float, default=COMMITTED_SMOLLM2_FAULT_RATE,
                    help="injected rollbacks per token on the synthetic 8B when this run did not measure SmolLM2 "
                         "W=32 canonical first (default: the committed SmolLM2 W=32 measurement)")
     p.add_argument("--no-measured-fault-rate", dest="use_measured_fault_rate", action="store_false",
@@ -1291,22 +1290,21 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--sweep-decode-attention", default="canonical", choices=["canonical", "split"])
     p.add_argument("--no-sweep-other-decode", dest="sweep_other_decode", action="store_false",
                    help="skip the G=8 runs with the other DVR decode attention")
-    p.add_argument("--compare-modes", action="store_true", help="add the compare_modes sections")
     p.add_argument("--no-engine-graphs", dest="engine_graphs", action="store_false",
                    help="engine runs without CUDA graphs")
     args = p.parse_args(argv)
     try:
-        args.section_names = expand_sections(args.sections, args.compare_modes)
+        args.section_names = expand_sections(args.sections)
         args.budgets = parse_budgets(args.budget_s)
     except ValueError as exc:
         p.error(str(exc))
     return args
 
 
-def expand_sections(spec: str, compare_modes: bool = False) -> list[str]:
+def expand_sections(spec: str) -> list[str]:
     """'core,wg_sweep' -> the preset's sections then wg_sweep, each once, in order; unknown names raise."""
     names: list[str] = []
-    for item in _csv(spec) + (["compare_modes", "compare_modes_synthetic"] if compare_modes else []):
+    for item in _csv(spec):
         expanded = SECTION_PRESETS.get(item, (item,))
         unknown = [n for n in expanded if n not in ALL_SECTIONS]
         if unknown:
