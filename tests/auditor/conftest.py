@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -211,10 +212,11 @@ DEFAULT_KEYS = {"client": "acme:client", "auditor": "acme:auditor", "admin": "ac
                 "other": "globex:client", "other_auditor": "globex:auditor"}
 
 
-@pytest.fixture
-async def fake_server(tmp_path: Path) -> AsyncIterator[LiveServer]:
-    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = await start_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
+@asynccontextmanager
+async def serving(settings: Settings, engine: Any, tenants: dict[str, str] | None = None, *,
+                  loop_thread: LoopThread | None = None) -> AsyncIterator[LiveServer]:
+    """``start_server(...)`` for the length of the ``async with`` block, stopped afterwards."""
+    server = await start_server(settings, engine, tenants, loop_thread=loop_thread)
     try:
         yield server
     finally:
@@ -223,6 +225,32 @@ async def fake_server(tmp_path: Path) -> AsyncIterator[LiveServer]:
 
 def with_port(settings: Settings) -> Settings:
     return replace(settings, port=free_port())
+
+
+@asynccontextmanager
+async def restarted(server: LiveServer) -> AsyncIterator[LiveServer]:
+    """A stopped ``server``'s database, engine and keys served again (a restart), on a fresh port."""
+    again = LiveServer(with_port(server.settings), server.engine, server.routes, keys=server.keys)
+    await asyncio.to_thread(again.start)
+    try:
+        yield again
+    finally:
+        await asyncio.to_thread(again.stop)
+
+
+@pytest.fixture
+async def fake_server(tmp_path: Path) -> AsyncIterator[LiveServer]:
+    """A fresh SQLite database and a server on the fake engine with the ``DEFAULT_KEYS``."""
+    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
+    async with serving(settings, FakeAsyncEngine(), DEFAULT_KEYS) as server:
+        yield server
+
+
+@pytest.fixture
+async def fake_pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
+    """A fresh PostgreSQL schema and a server on the fake engine with the ``DEFAULT_KEYS``."""
+    async with serving(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS) as server:
+        yield server
 
 
 # --- the real engine ---------------------------------------------------------------------------------
@@ -252,19 +280,13 @@ async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> As
     """A fresh SQLite database and a server on the shared real engine."""
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = await start_server(settings, engine, loop_thread=loop_thread)
-    try:
+    async with serving(settings, engine, loop_thread=loop_thread) as server:
         yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 @pytest.fixture
 async def real_pg_server(real_engine: tuple[LoopThread, Any], pg_settings: Settings) -> AsyncIterator[LiveServer]:
     """A fresh PostgreSQL schema and a server on the shared real engine."""
     loop_thread, engine = real_engine
-    server = await start_server(pg_settings, engine, loop_thread=loop_thread)
-    try:
+    async with serving(pg_settings, engine, loop_thread=loop_thread) as server:
         yield server
-    finally:
-        await asyncio.to_thread(server.stop)

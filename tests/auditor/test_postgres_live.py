@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -14,21 +13,10 @@ from sqlalchemy import text
 
 from auditor import repository
 from auditor.db.session import create_engine
-from auditor.settings import Settings
 from tests.auditor import independent
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, start_server
-from tests.auditor.fake_engine import FakeAsyncEngine
+from tests.auditor.conftest import LiveServer
 
 pytestmark = pytest.mark.postgres
-
-
-@pytest.fixture
-async def pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
-    server = await start_server(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 async def _sql(server: LiveServer, statement: str) -> Any:
@@ -40,10 +28,10 @@ async def _sql(server: LiveServer, statement: str) -> Any:
         await engine.dispose()
 
 
-async def test_concurrent_appends_on_postgres(pg_server: LiveServer) -> None:
+async def test_concurrent_appends_on_postgres(fake_pg_server: LiveServer) -> None:
     async def one(i: int) -> dict[str, Any]:
-        key = pg_server.keys["client" if i % 2 else "other"]
-        async with pg_server.client(key) as client:
+        key = fake_pg_server.keys["client" if i % 2 else "other"]
+        async with fake_pg_server.client(key) as client:
             response = await client.post("/v1/completions", json={
                 "model": "fake-model", "prompt": f"request {i}", "max_tokens": 6, "seed": i})
             assert response.status_code == 200, response.text
@@ -51,7 +39,7 @@ async def test_concurrent_appends_on_postgres(pg_server: LiveServer) -> None:
 
     bodies = await asyncio.gather(*(one(i) for i in range(20)))
     assert sorted(b["transcript"]["log_index"] for b in bodies) == list(range(20))
-    async with pg_server.client(pg_server.keys["client"]) as client:
+    async with fake_pg_server.client(fake_pg_server.keys["client"]) as client:
         checkpoint = (await client.get("/v1/log/checkpoint")).json()
         assert checkpoint["tree_size"] == 20
         leaves = []
@@ -68,27 +56,28 @@ async def test_concurrent_appends_on_postgres(pg_server: LiveServer) -> None:
     assert sorted(sequences) == list(range(1, 11))
 
 
-async def test_failed_append_leaves_nothing_on_postgres(pg_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_failed_append_leaves_nothing_on_postgres(fake_pg_server: LiveServer,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     async def boom(*_: Any) -> None:
         raise RuntimeError("injected failure after the transcript row")
 
     monkeypatch.setattr(repository, "add_checkpoint", boom)
-    async with pg_server.client(pg_server.keys["client"]) as client:
+    async with fake_pg_server.client(fake_pg_server.keys["client"]) as client:
         assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).status_code == 500
-        counts = await _sql(pg_server, "SELECT (SELECT count(*) FROM transcripts), (SELECT count(*) FROM "
-                                       "transcript_contents), (SELECT count(*) FROM log_leaves)")
+        counts = await _sql(fake_pg_server, "SELECT (SELECT count(*) FROM transcripts), (SELECT count(*) FROM "
+                                            "transcript_contents), (SELECT count(*) FROM log_leaves)")
         assert tuple(counts[0]) == (0, 0, 0)
         monkeypatch.undo()
         body = (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).json()
     assert body["transcript"]["log_index"] == 0
 
 
-async def test_stored_transcripts_cannot_be_altered_on_postgres(pg_server: LiveServer) -> None:
-    async with pg_server.client(pg_server.keys["client"]) as client:
+async def test_stored_transcripts_cannot_be_altered_on_postgres(fake_pg_server: LiveServer) -> None:
+    async with fake_pg_server.client(fake_pg_server.keys["client"]) as client:
         await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})
         await client.get("/v1/transcripts")
     for statement in ("UPDATE transcripts SET status = 'error'", "DELETE FROM log_leaves",
                       "UPDATE log_checkpoints SET note = 'forged'", "DELETE FROM access_log"):
         with pytest.raises(Exception, match="append-only"):
-            await _sql(pg_server, statement)
-    assert (await _sql(pg_server, "SELECT count(*) FROM access_log"))[0][0] >= 1
+            await _sql(fake_pg_server, statement)
+    assert (await _sql(fake_pg_server, "SELECT count(*) FROM access_log"))[0][0] >= 1

@@ -26,8 +26,7 @@ from auditor.attestation import verify_replay_attestation
 from auditor.verify import verify_document
 from engine.replay import ReplayRequest, ReplayResult, check_replay
 from auditor.settings import Settings
-from tests.auditor.conftest import (DEFAULT_KEYS, LiveServer, _pg_execute, sqlite_settings, start_server,
-                                     with_port)
+from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, _pg_execute, restarted, serving, sqlite_settings
 from tests.auditor.fake_engine import FakeAsyncEngine, RequestOutput
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -64,11 +63,8 @@ class ReplayFakeEngine(FakeAsyncEngine):
 @pytest.fixture
 async def server(tmp_path: Path) -> AsyncIterator[LiveServer]:
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    live = await start_server(settings, ReplayFakeEngine(), DEFAULT_KEYS)
-    try:
+    async with serving(settings, ReplayFakeEngine(), DEFAULT_KEYS) as live:
         yield live
-    finally:
-        await asyncio.to_thread(live.stop)
 
 
 async def complete(client: httpx.AsyncClient, **extra: Any) -> str:
@@ -301,25 +297,16 @@ async def test_queue_limit_per_tenant_is_429_and_jobs_share_one_engine_call(serv
 async def test_job_running_at_shutdown_is_rerun_after_restart(tmp_path: Path) -> None:
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
     engine = ReplayFakeEngine()
-    first = await start_server(settings, engine, DEFAULT_KEYS)
-    try:
-        async with first.client(first.keys["client"]) as client:
-            tid = await complete(client)
-            engine.hold = True
-            job = (await replay(client, tid, wait=False)).json()
-            await until_status(client, job["id"], ("running",))
-    finally:
-        await asyncio.to_thread(first.stop)
+    async with serving(settings, engine, DEFAULT_KEYS) as first, first.client(first.keys["client"]) as client:
+        tid = await complete(client)
+        engine.hold = True
+        job = (await replay(client, tid, wait=False)).json()
+        await until_status(client, job["id"], ("running",))
     with sqlite3.connect(tmp_path / "verbatim.db") as db:
         assert db.execute("SELECT status FROM replay_jobs WHERE id = ?", (job["id"],)).fetchone() == ("running",)
     engine.hold = False
-    second = LiveServer(with_port(settings), engine, keys=first.keys)
-    await asyncio.to_thread(second.start)
-    try:
-        async with second.client(second.keys["client"]) as client:
-            done = await until_status(client, job["id"], ("done", "failed"))
-    finally:
-        await asyncio.to_thread(second.stop)
+    async with restarted(first) as second, second.client(second.keys["client"]) as client:
+        done = await until_status(client, job["id"], ("done", "failed"))
     assert done["result"] == "match", done
     assert engine.replay_calls == [1, 1]
 
@@ -332,29 +319,20 @@ async def test_replay_on_postgresql_match_mismatch_and_requeue(pg_schema: tuple[
     url, schema = pg_schema
     settings = pg_settings
     engine = ReplayFakeEngine()
-    live = await start_server(settings, engine, DEFAULT_KEYS)
-    try:
-        async with live.client(live.keys["client"]) as client:
-            tids = [await complete(client, seed=s) for s in (1, 2)]
-            assert (await replay(client, tids[0])).json()["result"] == "match"
-            await _pg_execute(url, f"UPDATE {schema}.transcript_contents SET output_token_ids = jsonb_set("
-                              f"output_token_ids::jsonb, '{{20}}', '0')::json WHERE transcript_id = '{tids[1]}'")
-            mismatch = (await replay(client, tids[1])).json()
-            engine.hold = True
-            held = (await replay(client, tids[0], wait=False)).json()
-            await until_status(client, held["id"], ("running",))
-    finally:
-        await asyncio.to_thread(live.stop)
+    async with serving(settings, engine, DEFAULT_KEYS) as live, live.client(live.keys["client"]) as client:
+        tids = [await complete(client, seed=s) for s in (1, 2)]
+        assert (await replay(client, tids[0])).json()["result"] == "match"
+        await _pg_execute(url, f"UPDATE {schema}.transcript_contents SET output_token_ids = jsonb_set("
+                          f"output_token_ids::jsonb, '{{20}}', '0')::json WHERE transcript_id = '{tids[1]}'")
+        mismatch = (await replay(client, tids[1])).json()
+        engine.hold = True
+        held = (await replay(client, tids[0], wait=False)).json()
+        await until_status(client, held["id"], ("running",))
     assert mismatch["result"] == "mismatch" and mismatch["details"]["position"] == 20, mismatch
     engine.hold = False
-    again = LiveServer(with_port(settings), engine, keys=live.keys)
-    await asyncio.to_thread(again.start)
-    try:
-        async with again.client(again.keys["auditor"]) as client:
-            done = await until_status(client, held["id"], ("done", "failed"))
-            checkpoint = (await client.get("/v1/log/checkpoint")).json()
-    finally:
-        await asyncio.to_thread(again.stop)
+    async with restarted(live) as again, again.client(again.keys["auditor"]) as client:
+        done = await until_status(client, held["id"], ("done", "failed"))
+        checkpoint = (await client.get("/v1/log/checkpoint")).json()
     assert done["result"] == "match" and done["log_index"] == checkpoint["tree_size"] - 1
 
 

@@ -11,29 +11,16 @@ import sqlite3
 import subprocess
 import sys
 import zipfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, make_key, sqlite_settings
+from tests.auditor.conftest import LiveServer, make_key, serving, sqlite_settings
 from tests.auditor.fake_engine import FakeAsyncEngine
-from tests.auditor.reports_server import start_reports_server
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[LiveServer]:
-    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    live = await start_reports_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
-    try:
-        yield live
-    finally:
-        await asyncio.to_thread(live.stop)
 
 
 async def complete(client: httpx.AsyncClient, n: int, **extra: Any) -> list[str]:
@@ -69,13 +56,13 @@ def csv_rows(data: bytes) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO(data.decode())))
 
 
-async def test_export_over_http_verifies_offline_without_content(server: LiveServer) -> None:
-    async with server.client(server.keys["client"]) as client:
+async def test_export_over_http_verifies_offline_without_content(fake_server: LiveServer) -> None:
+    async with fake_server.client(fake_server.keys["client"]) as client:
         ids = await complete(client, 3)
         ids += await complete(client, 1, deterministic=False)
-    async with server.client(server.keys["other"]) as other:
+    async with fake_server.client(fake_server.keys["other"]) as other:
         await complete(other, 2)
-    async with server.client(server.keys["auditor"]) as auditor:
+    async with fake_server.client(fake_server.keys["auditor"]) as auditor:
         job, data = await export(auditor)
     result = verify_bundle(data)
     assert result.ok, result.render()
@@ -90,11 +77,11 @@ async def test_export_over_http_verifies_offline_without_content(server: LiveSer
     assert manifest["report_id"] == job["id"] and manifest["counts"]["transcripts"] == 4
 
 
-async def test_content_only_when_requested_and_filters_apply(server: LiveServer) -> None:
-    async with server.client(server.keys["client"]) as client:
+async def test_content_only_when_requested_and_filters_apply(fake_server: LiveServer) -> None:
+    async with fake_server.client(fake_server.keys["client"]) as client:
         await complete(client, 2)
         await complete(client, 1, deterministic=False)
-    async with server.client(server.keys["auditor"]) as auditor:
+    async with fake_server.client(fake_server.keys["auditor"]) as auditor:
         _, data = await export(auditor, include_content=True, deterministic_only=True)
     assert verify_bundle(data).ok
     files = unzip(data)
@@ -103,18 +90,18 @@ async def test_content_only_when_requested_and_filters_apply(server: LiveServer)
     assert b"tell me about" in files["report.html"]
 
 
-async def test_roles_and_tenant_isolation(server: LiveServer) -> None:
-    async with server.client(server.keys["client"]) as client:
+async def test_roles_and_tenant_isolation(fake_server: LiveServer) -> None:
+    async with fake_server.client(fake_server.keys["client"]) as client:
         await complete(client, 1)
         denied = await client.post("/v1/reports", json={})
         assert denied.status_code == 403 and denied.json()["error"]["code"] == "forbidden"
-    async with server.client(server.keys["auditor"]) as auditor:
+    async with fake_server.client(fake_server.keys["auditor"]) as auditor:
         job, _ = await export(auditor)
         bad = await auditor.post("/v1/reports", json={"since": "2026-01-01T00:00:00"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "since"
         unknown = await auditor.post("/v1/reports", json={"tenant": "globex"})
         assert unknown.status_code == 400
-    async with server.client(server.keys["other_auditor"]) as other:
+    async with fake_server.client(fake_server.keys["other_auditor"]) as other:
         assert (await other.get(f"/v1/reports/{job['id']}")).status_code == 404
         assert (await other.get("/v1/reports")).json()["data"] == []
         _, data = await export(other)
@@ -122,10 +109,10 @@ async def test_roles_and_tenant_isolation(server: LiveServer) -> None:
     assert verify_bundle(data).ok
 
 
-async def test_access_log_records_reads_and_exports(server: LiveServer) -> None:
-    async with server.client(server.keys["client"]) as client:
+async def test_access_log_records_reads_and_exports(fake_server: LiveServer) -> None:
+    async with fake_server.client(fake_server.keys["client"]) as client:
         (tid,) = await complete(client, 1)
-    async with server.client(server.keys["auditor"]) as auditor:
+    async with fake_server.client(fake_server.keys["auditor"]) as auditor:
         assert (await auditor.get(f"/v1/transcripts/{tid}")).status_code == 200
         first, _ = await export(auditor)
         _, data = await export(auditor)
@@ -137,10 +124,10 @@ async def test_access_log_records_reads_and_exports(server: LiveServer) -> None:
     assert {r["tenant"] for r in rows} == {"acme"}
 
 
-async def test_cli_export_verify_and_purge(server: LiveServer, tmp_path: Path) -> None:
-    async with server.client(server.keys["client"]) as client:
+async def test_cli_export_verify_and_purge(fake_server: LiveServer, tmp_path: Path) -> None:
+    async with fake_server.client(fake_server.keys["client"]) as client:
         await complete(client, 2)
-    data_dir = str(server.settings.data_dir)
+    data_dir = str(fake_server.settings.data_dir)
     out = tmp_path / "cli-report.zip"
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -153,7 +140,7 @@ async def test_cli_export_verify_and_purge(server: LiveServer, tmp_path: Path) -
     assert "transcripts" in done.stderr and "100%" in done.stderr  # the progress bar
     checked = await asyncio.to_thread(run, "verify-bundle", str(out))
     assert checked.returncode == 0 and "VALID bundle" in checked.stdout, checked.stdout
-    async with httpx.AsyncClient(base_url=server.url) as anonymous:
+    async with httpx.AsyncClient(base_url=fake_server.url) as anonymous:
         (tmp_path / "jwks.json").write_text((await anonymous.get("/.well-known/jwks.json")).text)
     pinned = await asyncio.to_thread(run, "verify-bundle", str(out), "--jwks", str(tmp_path / "jwks.json"), "--json")
     assert pinned.returncode == 0 and json.loads(pinned.stdout)["ok"] is True, pinned.stdout
@@ -169,14 +156,14 @@ async def test_cli_export_verify_and_purge(server: LiveServer, tmp_path: Path) -
 
     assert (await asyncio.to_thread(run, "retention", "set", "--tenant", "acme", "--days", "1", "--data-dir",
                                     data_dir)).returncode == 0
-    db = server.settings.data_dir / "verbatim.db"
+    db = fake_server.settings.data_dir / "verbatim.db"
     with sqlite3.connect(db) as conn:  # age the records past the retention (as time would)
         conn.execute("UPDATE transcripts SET completed_at = '2020-01-01 00:00:00.000000'")
     purged = await asyncio.to_thread(run, "purge", "--tenant", "acme", "--data-dir", data_dir)
     assert purged.returncode == 0 and "purged content of 2 transcripts" in purged.stdout, purged.stdout
     with sqlite3.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM transcript_contents").fetchone() == (0,)
-    async with server.client(server.keys["auditor"]) as auditor:
+    async with fake_server.client(fake_server.keys["auditor"]) as auditor:
         _, after = await export(auditor, include_content=True)
     result = verify_bundle(after)
     assert result.ok, result.render()
@@ -191,14 +178,10 @@ async def test_unfinished_job_is_resumed_after_restart(tmp_path: Path) -> None:
     store = JobStore(settings.data_dir / "reports")
     job = store.create("acme", "key_x", ReportFilters("acme"), dt.datetime.now(dt.UTC))
     key = await make_key(settings, "acme", "auditor")
-    live = await start_reports_server(settings, FakeAsyncEngine(), {})
-    try:
-        async with live.client(key) as auditor:
-            for _ in range(300):
-                got = await auditor.get(f"/v1/reports/{job.id}", params={"format": "json"})
-                if got.json()["status"] == "done":
-                    break
-                await asyncio.sleep(0.1)
-            assert got.json()["status"] == "done", got.json()
-    finally:
-        await asyncio.to_thread(live.stop)
+    async with serving(settings, FakeAsyncEngine(), {}) as live, live.client(key) as auditor:
+        for _ in range(300):
+            got = await auditor.get(f"/v1/reports/{job.id}", params={"format": "json"})
+            if got.json()["status"] == "done":
+                break
+            await asyncio.sleep(0.1)
+        assert got.json()["status"] == "done", got.json()

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 from sqlalchemy import text
@@ -13,35 +11,23 @@ from sqlalchemy import text
 from auditor.db.session import create_engine, create_sessionmaker
 from auditor.reports import verify_bundle
 from auditor.reports.retention import RetentionPolicy, purge
-from auditor.settings import Settings
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer
-from tests.auditor.fake_engine import FakeAsyncEngine
-from tests.auditor.reports_server import start_reports_server
+from tests.auditor.conftest import LiveServer
 from tests.auditor.test_reports_api import complete, export, unzip
 
 pytestmark = pytest.mark.postgres
 
 
-@pytest.fixture
-async def pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
-    server = await start_reports_server(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
-
-
-async def test_export_and_purge_on_postgres(pg_server: LiveServer) -> None:
-    async with pg_server.client(pg_server.keys["client"]) as client:
+async def test_export_and_purge_on_postgres(fake_pg_server: LiveServer) -> None:
+    async with fake_pg_server.client(fake_pg_server.keys["client"]) as client:
         ids = await complete(client, 3)
-    async with pg_server.client(pg_server.keys["other"]) as other:
+    async with fake_pg_server.client(fake_pg_server.keys["other"]) as other:
         await complete(other, 1)
-    async with pg_server.client(pg_server.keys["auditor"]) as auditor:
+    async with fake_pg_server.client(fake_pg_server.keys["auditor"]) as auditor:
         _, data = await export(auditor, include_content=True)
     assert verify_bundle(data).ok
     assert len(unzip(data)["transcripts.jsonl"].splitlines()) == 3
 
-    settings = pg_server.settings
+    settings = fake_pg_server.settings
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
     try:
         async with create_sessionmaker(db)() as session, session.begin():
@@ -52,7 +38,7 @@ async def test_export_and_purge_on_postgres(pg_server: LiveServer) -> None:
     finally:
         await db.dispose()
     assert sorted(purged["acme"]) == sorted(ids) and left == 1  # globex's content is untouched
-    async with pg_server.client(pg_server.keys["auditor"]) as auditor:
+    async with fake_pg_server.client(fake_pg_server.keys["auditor"]) as auditor:
         _, after = await export(auditor, include_content=True)
     result = verify_bundle(after)
     assert result.ok, result.render()

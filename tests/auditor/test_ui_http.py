@@ -3,28 +3,12 @@ and console reads landing in the access log because they go through the API."""
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import httpx
-import pytest
 
 from auditor.ui.sessions import COOKIE
-from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, sqlite_settings
-from tests.auditor.fake_engine import FakeAsyncEngine
-from tests.auditor.reports_server import start_reports_server
-
-
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[LiveServer]:
-    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    live = await start_reports_server(settings, FakeAsyncEngine(), DEFAULT_KEYS)
-    try:
-        yield live
-    finally:
-        await asyncio.to_thread(live.stop)
+from tests.auditor.conftest import LiveServer
 
 
 async def transcript_of(server: LiveServer, key: str) -> str:
@@ -42,11 +26,11 @@ async def sign_in(client: httpx.AsyncClient, server: LiveServer, key: str) -> No
     assert server.keys[key] not in cookie
 
 
-async def test_console_is_tenant_scoped_and_never_echoes_the_key(server: LiveServer) -> None:
-    mine = await transcript_of(server, "client")
-    theirs = await transcript_of(server, "other")
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        await sign_in(client, server, "auditor")
+async def test_console_is_tenant_scoped_and_never_echoes_the_key(fake_server: LiveServer) -> None:
+    mine = await transcript_of(fake_server, "client")
+    theirs = await transcript_of(fake_server, "other")
+    async with httpx.AsyncClient(base_url=fake_server.url, timeout=60) as client:
+        await sign_in(client, fake_server, "auditor")
         listing = await client.get("/ui/transcripts")
         assert listing.status_code == 200 and mine in listing.text and theirs not in listing.text
         detail = await client.get(f"/ui/transcripts/{mine}")
@@ -54,23 +38,23 @@ async def test_console_is_tenant_scoped_and_never_echoes_the_key(server: LiveSer
         foreign = await client.get(f"/ui/transcripts/{theirs}")
         assert foreign.status_code == 404 and "not found" in foreign.text
         for page in (listing, detail, foreign):
-            assert server.keys["auditor"] not in page.text
+            assert fake_server.keys["auditor"] not in page.text
         await client.post("/ui/logout")
         assert (await client.get("/ui/transcripts")).status_code == 303
 
 
-async def test_console_reads_are_in_the_access_log(server: LiveServer) -> None:
-    tid = await transcript_of(server, "client")
-    async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
-        await sign_in(client, server, "auditor")
+async def test_console_reads_are_in_the_access_log(fake_server: LiveServer) -> None:
+    tid = await transcript_of(fake_server, "client")
+    async with httpx.AsyncClient(base_url=fake_server.url, timeout=60) as client:
+        await sign_in(client, fake_server, "auditor")
         assert (await client.get(f"/ui/transcripts/{tid}")).status_code == 200
-    with sqlite3.connect(server.settings.data_dir / "verbatim.db") as db:
+    with sqlite3.connect(fake_server.settings.data_dir / "verbatim.db") as db:
         rows = db.execute("SELECT action, target, tenant FROM access_log").fetchall()
     assert ("read", tid, "acme") in rows
 
 
-async def test_forged_or_missing_session_goes_to_sign_in(server: LiveServer) -> None:
-    async with httpx.AsyncClient(base_url=server.url, cookies={COOKIE: "forged"}) as client:
+async def test_forged_or_missing_session_goes_to_sign_in(fake_server: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=fake_server.url, cookies={COOKIE: "forged"}) as client:
         for path in ("/ui/transcripts", "/ui/reports", "/ui/reports/x/download"):
             response = await client.get(path)
             assert response.status_code == 303 and response.headers["location"] == "/ui/login", path
