@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -162,3 +163,29 @@ def test_run_ahead_changes_speed_not_bits(make_mock_llm, workload) -> None:
     out_idle, out_ahead = idle.generate(prompts, params), ahead.generate(prompts, params)
     assert_same(out_idle, out_ahead)
     assert ahead.core.totals.steps < idle.core.totals.steps, (ahead.core.totals.steps, idle.core.totals.steps)
+
+
+@pytest.mark.parametrize("attention", ["canonical", "split"])
+def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: str) -> None:
+    """dvr_decode_attention="canonical": each decode step marks exactly its DVR rows canonical (fast rows
+    keep the split kernel); "split": no row is marked."""
+    prompts, params = workload
+    mixed = [replace(p, deterministic=i % 2 == 0) for i, p in enumerate(params)]
+    llm = make_mock_llm(dvr_decode_attention=attention)
+    core = llm.core
+    seen: list[tuple[list[bool], list[bool] | None]] = []  # per decode step: (row is DVR, row.canonical)
+    decode_pass, run_decode = core._decode, core.runner.decode
+
+    def record_plan(plan: Any) -> Any:
+        seen.append(([s.kind == SeqKind.DVR for s in plan.decode], None))
+        return decode_pass(plan)
+
+    def record_rows(rows: Any) -> Any:
+        seen[-1] = (seen[-1][0], [r.canonical for r in rows])
+        return run_decode(rows)
+
+    core._decode, core.runner.decode = record_plan, record_rows
+    llm.generate(prompts, mixed)
+    assert any(any(dvr) and not all(dvr) for dvr, _ in seen), "no decode step mixed fast and DVR rows"
+    for dvr, flags in seen:
+        assert flags == (dvr if attention == "canonical" else [False] * len(dvr))
