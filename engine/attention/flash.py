@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
-from engine.attention.triton_paged import TritonPagedAttention, TritonPlan, write_kv
+from engine.attention.torch_backend import write_kv
+from engine.attention.triton_paged import TritonPagedAttention, TritonPlan
 
 
 def flash_available() -> bool:

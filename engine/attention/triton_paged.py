@@ -41,6 +41,7 @@ from types import ModuleType
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
+from engine.attention.torch_backend import write_kv
 
 # Canonical tile configuration of the no-split kernel. Changing any of these changes committed bits:
 # it is part of the runtime identity (see `KERNEL_ID`).
@@ -200,14 +201,6 @@ def decode_attention(
         num_warps=1,
     )
     return out
-
-
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter this pass's K/V ([T, Hkv, D]) into their slots before attention (graph-capturable)."""
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
 @dataclass(frozen=True)
