@@ -178,10 +178,9 @@ def environment(argv: list[str]) -> dict[str, Any]:
 # ---- synthetic model -----------------------------------------------------------------------------
 def synthetic(ctx: Ctx) -> Any:
     if ctx.model is None:
-        from engine.models.synthetic import build_synthetic_model, synthetic_hf_config, weight_bytes
+        from engine.models.synthetic import build_synthetic_model, weight_bytes
 
-        overrides = {"num_hidden_layers": ctx.args.layers} if ctx.args.layers else {}
-        ctx.hf_config = synthetic_hf_config(ctx.args.preset, **overrides)
+        ctx.hf_config = synthetic_config(ctx.args.preset, ctx.args.layers)
         t0 = time.perf_counter()
         ctx.model = build_synthetic_model(ctx.hf_config, torch.bfloat16, ctx.device, seed=0,
                                           attention_backend="triton")
@@ -197,6 +196,21 @@ def synthetic(ctx: Ctx) -> Any:
             "weight_bytes": ctx.weight_bytes, "build_s": round(time.perf_counter() - t0, 2),
         }
     return ctx.model
+
+
+def synthetic_config(preset: str, layers: int) -> Any:
+    """The preset's HF config, its layer count overridden when `layers` > 0 (quick runs)."""
+    from engine.models.synthetic import synthetic_hf_config
+
+    return synthetic_hf_config(preset, **({"num_hidden_layers": layers} if layers else {}))
+
+
+def engine_shape(model: Any, max_model_len: int) -> Any:
+    """The engine's ModelShape of a built model (a synthetic model has no loader to report one)."""
+    from engine.model_runner import ModelShape
+
+    a = model.arch
+    return ModelShape(a.num_layers, a.num_kv_heads, a.head_dim, a.vocab_size, max_model_len)
 
 
 def kv_bytes_per_token(model: Any) -> int:
@@ -508,7 +522,6 @@ def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
 def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     """The same requests through the engine core (nondeterministic), eager, then with decode graphs."""
     from engine.llm import LLM
-    from engine.model_runner import ModelShape
     from engine.sampling import SamplingParams
 
     model = synthetic(ctx)
@@ -517,8 +530,7 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     config = _engine_config(model="synthetic", device=ctx.device.type, dtype="bfloat16",
                             mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
                             max_num_batched_tokens=n_req * n_in, max_model_len=4096)
-    shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
-                       model.arch.vocab_size, 4096)
+    shape = engine_shape(model, 4096)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
@@ -1004,15 +1016,12 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     --fault-rate. Set "sharegpt" = the mix (log-uniform prompt and output lengths, results under "modes");
     "NxPxO" = N requests of P prompt tokens and O output tokens (results under "fixed_NxPxO")."""
     from engine.llm import LLM
-    from engine.model_runner import ModelShape
-    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+    from engine.models.synthetic import build_synthetic_model
 
     a = ctx.args
-    overrides = {"num_hidden_layers": a.layers} if a.layers else {}
-    model = build_synthetic_model(synthetic_hf_config(a.preset, **overrides), torch.bfloat16, ctx.device, seed=0,
+    model = build_synthetic_model(synthetic_config(a.preset, a.layers), torch.bfloat16, ctx.device, seed=0,
                                   attention_backend="triton", peaked=True)
-    shape = ModelShape(model.arch.num_layers, model.arch.num_kv_heads, model.arch.head_dim,
-                       model.arch.vocab_size, 8192)
+    shape = engine_shape(model, 8192)
     measured = a.use_measured_fault_rate and "smollm2_rollbacks_per_token_w32" in ctx.extras
     fault_rate = ctx.extras["smollm2_rollbacks_per_token_w32"] if measured else a.fault_rate
     n = a.compare_requests

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from engine.bench_gpu import BLOCK_SIZE, time_wall
+from engine.bench_gpu import BLOCK_SIZE, engine_shape, synthetic_config, time_wall
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -46,18 +46,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def build(args: argparse.Namespace) -> tuple[Any, Any]:
-    from engine.model_runner import ModelShape
-    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+    from engine.models.synthetic import build_synthetic_model
 
-    overrides = {"num_hidden_layers": args.layers} if args.layers else {}
-    hf_config = synthetic_hf_config(args.preset, **overrides)
     cuda = args.device == "cuda"
-    model = build_synthetic_model(hf_config, torch.bfloat16 if cuda else torch.float32, args.device, seed=0,
-                                  attention_backend="triton" if cuda else "torch",
+    model = build_synthetic_model(synthetic_config(args.preset, args.layers), torch.bfloat16 if cuda else torch.float32,
+                                  args.device, seed=0, attention_backend="triton" if cuda else "torch",
                                   logit_scale=args.logit_scale, peaked=True)
-    arch = model.arch
-    shape = ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size, 4096)
-    return model, shape
+    return model, engine_shape(model, 4096)
 
 
 def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
