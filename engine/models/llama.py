@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 [N, vocab]. For invariant logits keep N fixed (e.g. all G*W rows)."""
-        return self.ops.linear(hidden, self.lm_head.weight).float()
+        return _linear(self.ops, self.lm_head, hidden).float()
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         a = self.arch
@@ -213,17 +213,14 @@ class LlamaForCausalLM(nn.Module):
         """HF name -> the parameter, or the row view of a fused one, that holds it; parameter order
         (a fused weight expands into its parts in place), tied weights once (lm_head absent when tied)."""
         out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        for module_name, module in self.named_modules():
-            for kind, param in module.named_parameters(recurse=False):
-                if id(param) in seen:
-                    continue
-                seen.add(id(param))
-                if isinstance(module, FusedLinear):
-                    parent = module_name.rsplit(".", 1)[0]
-                    out.update((f"{parent}.{part}.{kind}", view) for part, view in module.part_views(param))
-                else:
-                    out[f"{module_name}.{kind}"] = param
+        for name, param in self.named_parameters():  # torch drops the second name of a tied weight
+            module_name, kind = name.rsplit(".", 1)
+            module = self.get_submodule(module_name)
+            if isinstance(module, FusedLinear):
+                parent = module_name.rsplit(".", 1)[0]
+                out.update((f"{parent}.{part}.{kind}", view) for part, view in module.part_views(param))
+            else:
+                out[name] = param
         return out
 
     @torch.no_grad()
