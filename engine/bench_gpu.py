@@ -34,6 +34,7 @@ import math
 import platform
 import statistics
 import sys
+import textwrap
 import time
 import traceback
 from collections.abc import Callable
@@ -456,15 +457,11 @@ def _eager_decode_ms(model: Any, kv: Any, tables: list[list[int]], ids: list[int
     from engine.attention import PassKind, RowSpec, build_metadata, positions_of
 
     rows = [RowSpec(t, context - 1, 1) for t in tables]
-    meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, ctx_device(model))
-    inp = torch.tensor(ids, dtype=torch.long, device=ctx_device(model))
-    positions = positions_of(rows, ctx_device(model))
+    meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, model.device)
+    inp = torch.tensor(ids, dtype=torch.long, device=model.device)
+    positions = positions_of(rows, model.device)
     with torch.inference_mode():
         return time_cuda(lambda: model.compute_logits(model(inp, positions, meta, kv)), reps=5)["median_ms"]
-
-
-def ctx_device(model: Any) -> torch.device:
-    return model.device
 
 
 def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
@@ -1098,8 +1095,6 @@ def chart(result: dict[str, Any], path: Path) -> None:
     rows = -(-len(panels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 4.5 * rows), squeeze=False)
     env = result.get("environment", {})
-    import textwrap
-
     command = "\n".join(textwrap.wrap(str(env.get("command")), 160))
     fig.suptitle(f"Verbatim GPU bench — {env.get('device')} — {env.get('date_utc')}\n{command}", fontsize=8)
     for ax, panel in zip(axes.flat, panels):
