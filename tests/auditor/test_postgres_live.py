@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import hashlib
 import json
 from typing import Any
 
@@ -47,13 +48,18 @@ async def test_concurrent_appends_on_postgres(fake_pg_server: LiveServer) -> Non
             proof = (await client.get("/v1/log/proofs/inclusion", params={"index": index})).json()
             leaves.append(proof["leaf_hash"])
         jwks = (await client.get("/.well-known/jwks.json")).json()
-        docs = [(await client.get(f"/v1/transcripts/{b['transcript']['id']}")).json()
-                for i, b in enumerate(bodies) if i % 2]
     leaf_hashes = [base64.b64decode(h) for h in leaves]
     assert independent.mth(leaf_hashes) == base64.b64decode(checkpoint["root_hash"])
-    sequences = [json.loads(independent.verify_dsse(d["envelope"], jwks))["predicate"]["transcript"]["sequence"]
-                 for d in docs]
-    assert sorted(sequences) == list(range(1, 11))
+    for parity, name in ((1, "client"), (0, "other")):
+        async with fake_pg_server.client(fake_pg_server.keys[name]) as client:
+            docs = [(await client.get(f"/v1/transcripts/{b['transcript']['id']}")).json()
+                    for i, b in enumerate(bodies) if i % 2 == parity]
+        payloads = sorted((independent.verify_dsse(d["envelope"], jwks) for d in docs),
+                          key=lambda p: json.loads(p)["predicate"]["transcript"]["sequence"])
+        links = [json.loads(p)["predicate"]["transcript"] for p in payloads]
+        assert [link["sequence"] for link in links] == list(range(1, 11)), name
+        previous = [None, *(hashlib.sha256(p).hexdigest() for p in payloads[:-1])]
+        assert [link["previous_digest"] for link in links] == previous, name
 
 
 async def test_failed_append_leaves_nothing_on_postgres(fake_pg_server: LiveServer,

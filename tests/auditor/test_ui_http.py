@@ -54,9 +54,10 @@ async def test_console_reads_are_in_the_access_log(fake_server: LiveServer) -> N
 
 
 async def test_forged_or_missing_session_goes_to_sign_in(fake_server: LiveServer) -> None:
-    async with httpx.AsyncClient(base_url=fake_server.url, cookies={COOKIE: "forged"}) as client:
-        for path in ("/ui/transcripts", "/ui/reports", "/ui/reports/x/download"):
-            response = await client.get(path)
-            assert response.status_code == 303 and response.headers["location"] == "/ui/login", path
-        replay = await client.post("/ui/transcripts/x/replay")
-        assert replay.status_code == 401
+    for cookies in ({COOKIE: "forged"}, {}):
+        async with httpx.AsyncClient(base_url=fake_server.url, cookies=cookies) as client:
+            for path in ("/ui/transcripts", "/ui/reports", "/ui/reports/x/download"):
+                response = await client.get(path)
+                assert response.status_code == 303 and response.headers["location"] == "/ui/login", (path, cookies)
+            replay = await client.post("/ui/transcripts/x/replay")
+            assert replay.status_code == 401, cookies
