@@ -16,7 +16,7 @@ because CPU BLAS takes another path (other bits) for a matmul of very few rows (
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -85,15 +85,8 @@ class TorchAttention:
         slots = meta.slot_mapping.to(torch.long)
         if meta.kind is PassKind.DECODE and all(n == 1 for n in counts):
             decode = _decode_batch(meta, seq_lens, block_size)
-            mask = meta.canonical_rows
-            if mask is not None and tuple(mask.shape) != (len(counts),):
-                raise ValueError(f"canonical_rows must be Int32[{len(counts)}], got shape {list(mask.shape)}")
-            flagged = [] if mask is None else mask.nonzero()[:, 0].tolist()
-            if flagged:
-                index = torch.tensor(flagged, dtype=torch.long, device=slots.device)
-                padded = [CANONICAL_DECODE_QUERIES] * len(counts)
-                group = _tile_group(meta, flagged, starts, padded, seq_lens, bpt, block_size)
-                decode = DecodeBatch(decode.block_ids, decode.key_mask, index, group)
+            if meta.canonical_rows is not None:
+                decode = _with_canonical_rows(decode, meta.canonical_rows, meta, starts, seq_lens, bpt, block_size)
             return AttentionPlan(slots, (), decode, bpt)
         if meta.kind is PassKind.VERIFY:
             if len(set(counts)) != 1:
@@ -246,6 +239,26 @@ def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int)
     key_pos = torch.arange(num_blocks * block_size, device=block_ids.device)
     key_mask = key_pos[None, :] < meta.seq_lens.to(block_ids.device)[:, None]
     return DecodeBatch(block_ids, key_mask[:, None, None, :])
+
+
+def _with_canonical_rows(
+    decode: DecodeBatch,
+    mask: torch.Tensor,  # Int[R]: meta.canonical_rows
+    meta: AttentionMetadata,
+    starts: list[int],
+    seq_lens: list[int],
+    bpt: int,
+    block_size: int,
+) -> DecodeBatch:
+    """`decode` plus the rows `mask` flags, as a tiled group of CANONICAL_DECODE_QUERIES queries per row."""
+    if tuple(mask.shape) != (len(seq_lens),):
+        raise ValueError(f"canonical_rows must be Int32[{len(seq_lens)}], got shape {list(mask.shape)}")
+    index = mask.nonzero()[:, 0]  # Long[C]
+    if index.numel() == 0:
+        return decode
+    padded = [CANONICAL_DECODE_QUERIES] * len(seq_lens)
+    group = _tile_group(meta, index.tolist(), starts, padded, seq_lens, bpt, block_size)
+    return replace(decode, canonical_rows=index, canonical=group)
 
 
 def _decode_attention(
