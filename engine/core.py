@@ -162,7 +162,7 @@ class EngineCore:
     def _decode(self, plan: Plan) -> list[Sequence]:
         for seq in plan.decode:
             assert seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len, seq.num_tokens)
-        canonical = self.config.dvr_decode_attention == "canonical"
+        canonical = self.runner.canonical_decode  # False unless DVR mode with canonical decode
         rows = [Row([s.last_token], s.kv_len, self._table(s), canonical and s.kind != SeqKind.FAST)
                 for s in plan.decode]
         logits = self.runner.decode(rows)  # [R, vocab]
