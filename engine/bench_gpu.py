@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from engine.config import RESERVED_BLOCKS
+
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
 ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic",
@@ -219,7 +221,7 @@ def kv_bytes_per_token(model: Any) -> int:
     return a.num_layers * 2 * a.num_kv_heads * a.head_dim * model.dtype.itemsize
 
 
-def contiguous_tables(rows: int, blocks_per_row: int, first_block: int = 2) -> list[list[int]]:
+def contiguous_tables(rows: int, blocks_per_row: int, first_block: int = RESERVED_BLOCKS) -> list[list[int]]:
     """Row r owns blocks [first + r*n, first + (r+1)*n): blocks 0/1 stay reserved (zero / scratch)."""
     return [list(range(first_block + r * blocks_per_row, first_block + (r + 1) * blocks_per_row))
             for r in range(rows)]
@@ -270,9 +272,9 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
     per_block = kv_bytes_per_block(a.num_layers, a.num_kv_heads, a.head_dim, BLOCK_SIZE, model.dtype)
     num_blocks = kv_blocks_for_free_memory(per_block, DEFAULT_KV_SHARE)
     kv = model.allocate_kv_cache(num_blocks, BLOCK_SIZE)
-    used = 2 + max(batches) * blocks_per_row
+    used = RESERVED_BLOCKS + max(batches) * blocks_per_row
     for t in kv.k + kv.v:  # random finite K/V where the rows live (timing on zeros can flatter kernels)
-        t[2:used].normal_(0.0, 0.5)
+        t[RESERVED_BLOCKS:used].normal_(0.0, 0.5)
     graphs = DecodeGraphs(model, kv, max(batches), blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
                           batch_sizes=batches)
     t0 = time.perf_counter()
@@ -404,7 +406,7 @@ def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
 
     context, batches = ctx.args.context, (1, max(ctx.args.batches))
     nb = -(-(context + 16) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + max(batches) * nb, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + max(batches) * nb, BLOCK_SIZE)
     fill_cache_(kv, seed=2)
     out: dict[str, Any] = {}
     for label, m in (("model_ops", model), ("triton_row_ops", model.with_numerics(RowKernelOps(), model.attention))):
@@ -428,8 +430,8 @@ def _profile_decode_kernels(ctx: Ctx, model: Any) -> dict[str, Any]:
 
     context = ctx.args.context
     nb = -(-(context + 16) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + nb, BLOCK_SIZE)
-    rows = [RowSpec(list(range(2, 2 + nb)), context - 1, 1)]
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + nb, BLOCK_SIZE)
+    rows = [RowSpec(list(range(RESERVED_BLOCKS, RESERVED_BLOCKS + nb)), context - 1, 1)]
     meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, ctx.device)
     ids = torch.tensor([11], device=ctx.device)
     pos = positions_of(rows, ctx.device)
@@ -472,7 +474,7 @@ def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
     model = synthetic(ctx)
     n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
     blocks_per_row = -(-(n_in + n_out) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + n_req * blocks_per_row, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + n_req * blocks_per_row, BLOCK_SIZE)
     graphs = DecodeGraphs(model, kv, n_req, blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
                           batch_sizes=(n_req,))
     graphs.capture()
@@ -523,7 +525,7 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
 
     model = synthetic(ctx)
     n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
-    blocks = 2 + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
+    blocks = RESERVED_BLOCKS + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
     config = _engine_config(model="synthetic", device=ctx.device.type, dtype="bfloat16",
                             mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
                             max_num_batched_tokens=n_req * n_in, max_model_len=4096)
@@ -733,7 +735,7 @@ def _our_prefill_logits(model: Any, prompts: torch.Tensor) -> torch.Tensor:
 
     n, length = prompts.shape
     blocks = -(-length // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + n * blocks, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + n * blocks, BLOCK_SIZE)
     rows = [RowSpec(t, 0, length) for t in contiguous_tables(n, blocks)]
     meta = build_metadata(PassKind.PREFILL, rows, BLOCK_SIZE, model.device)
     hidden = model(prompts.flatten(), positions_of(rows, model.device), meta, kv)
@@ -750,7 +752,7 @@ def bench_verify_cost(ctx: Ctx) -> dict[str, Any]:
     shapes = [(1, 32), (8, 32), (16, 32), (8, 64)]
     max_g, max_w = max(g for g, _ in shapes), max(w for _, w in shapes)
     blocks_per_row = -(-(context + max_w) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(2 + max_g * blocks_per_row, BLOCK_SIZE)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + max_g * blocks_per_row, BLOCK_SIZE)
     fill_cache_(kv, seed=1)
     tables = contiguous_tables(max_g, blocks_per_row)
     out: dict[str, Any] = ctx.open({"context": context, "shapes": {}})
@@ -1028,7 +1030,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     mix_out = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
     fixed = [spec for spec in sets if spec != "sharegpt"]
     shapes = [tuple(int(x) for x in spec.split("x")) for spec in fixed]
-    blocks = 2 + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, mix_out))]
+    blocks = RESERVED_BLOCKS + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, mix_out))]
                      + [c * -(-(p + o + 64) // BLOCK_SIZE) for c, p, o in shapes])
     max_seqs = max([n] + [c for c, _, _ in shapes])
 

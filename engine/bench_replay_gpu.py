@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from engine.bench_gpu import BLOCK_SIZE, engine_shape, synthetic_config, time_wall
+from engine.config import RESERVED_BLOCKS
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -64,7 +65,7 @@ def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
     config = EngineConfig(model="synthetic", device=args.device, dtype="bfloat16" if cuda else "float32", mode="dvr",
                           window=args.window, group=args.group, attention_backend="triton" if cuda else "torch",
                           cuda_graphs=cuda and not args.no_graphs,
-                          num_kv_blocks=2 + args.transcripts * per_seq, max_num_seqs=args.transcripts,
+                          num_kv_blocks=RESERVED_BLOCKS + args.transcripts * per_seq, max_num_seqs=args.transcripts,
                           max_num_batched_tokens=max(4096, args.prompt_len), max_model_len=4096,
                           fault_rate=args.fault_rate, fault_seed=1, dvr_decode_attention=args.dvr_decode_attention)
     return LLM.from_parts(config, model, shape, eos_ids=set())
