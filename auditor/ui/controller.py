@@ -8,6 +8,7 @@ Nothing is fetched from the internet: styles and the few lines of script are inl
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Callable
 from typing import Any
 
 from jinja2 import Environment, PackageLoader, select_autoescape
@@ -76,16 +77,25 @@ def _replay_json(raw: dict[str, Any]) -> dict[str, Any]:
             "error": raw.get("error"), "summary": summary}
 
 
-async def _replay_call(request: Request[Any, Any, Any], method: str, path: str) -> Response[Any]:
-    """One replay API call for the page's script: the job as ``_replay_json`` shows it, or the error."""
+async def _script_call(request: Request[Any, Any, Any], method: str, path: str, *,
+                       params: dict[str, Any] | None = None,
+                       shape: Callable[[dict[str, Any]], dict[str, Any]] = lambda doc: doc) -> Response[Any]:
+    """One API call for a page's script: the document (as ``shape`` shows it), or ``{"error": ...}``."""
     session = _session(request)
     if session is None:
         return Response({"error": "signed out"}, status_code=401)
     try:
-        raw = await _client(session, request).json(method, path)
+        doc = await _client(session, request).json(method, path, params=params)
     except ApiFailure as exc:
         return Response({"error": exc.message}, status_code=exc.status)
-    return Response(_replay_json(raw), status_code=200)
+    return Response(shape(doc), status_code=200)
+
+
+def _failure_page(exc: ApiFailure, session: Session, template: str, **context: Any) -> Response[Any]:
+    """A page whose API call failed: back to sign-in when the key no longer authenticates."""
+    if exc.status == 401:
+        return _to_login()
+    return render(template, status=exc.status, session=session, error=exc.message, **context)
 
 
 class ConsoleController(Controller):
@@ -134,10 +144,7 @@ class ConsoleController(Controller):
         try:
             page = await _client(session, request).json("GET", "/v1/transcripts", params=params)
         except ApiFailure as exc:
-            if exc.status == 401:
-                return _to_login()
-            return render("transcripts.html.j2", status=exc.status, session=session, filters=filters, page=None,
-                          error=exc.message)
+            return _failure_page(exc, session, "transcripts.html.j2", filters=filters, page=None)
         return render("transcripts.html.j2", session=session, filters=filters, page=page, error=None)
 
     @get("/transcripts/{transcript_id:str}")
@@ -149,9 +156,7 @@ class ConsoleController(Controller):
             doc = await _client(session, request).json(
                 "GET", f"/v1/transcripts/{transcript_id}", params={"include_content": "true", "verify": "true"})
         except ApiFailure as exc:
-            if exc.status == 401:
-                return _to_login()
-            return render("error.html.j2", status=exc.status, session=session, error=exc.message)
+            return _failure_page(exc, session, "error.html.j2")
         engine = request.app.state.services.engine
         view = transcript_view(doc, safe_decoder(getattr(engine, "tokenizer", None)))
         replay_ready = has_route(request.app, REPLAY_START) and has_route(request.app, REPLAY_STATUS)
@@ -159,11 +164,11 @@ class ConsoleController(Controller):
 
     @post("/transcripts/{transcript_id:str}/replay")
     async def start_replay(self, transcript_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        return await _replay_call(request, "POST", f"/v1/transcripts/{transcript_id}/replay")
+        return await _script_call(request, "POST", f"/v1/transcripts/{transcript_id}/replay", shape=_replay_json)
 
     @get("/replays/{replay_id:str}")
     async def replay_status(self, replay_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        return await _replay_call(request, "GET", f"/v1/replays/{replay_id}")
+        return await _script_call(request, "GET", f"/v1/replays/{replay_id}", shape=_replay_json)
 
     # --- reports --------------------------------------------------------------------------------------
 
@@ -175,9 +180,7 @@ class ConsoleController(Controller):
         try:
             listing = await _client(session, request).json("GET", "/v1/reports")
         except ApiFailure as exc:
-            if exc.status == 401:
-                return _to_login()
-            return render("reports.html.j2", status=exc.status, session=session, reports=None, error=exc.message)
+            return _failure_page(exc, session, "reports.html.j2", reports=None)
         return render("reports.html.j2", session=session, reports=listing["data"], error=None)
 
     @post("/reports")
@@ -209,14 +212,7 @@ class ConsoleController(Controller):
 
     @get("/reports/{report_id:str}/status")
     async def report_status(self, report_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
-        if session is None:
-            return Response({"error": "signed out"}, status_code=401)
-        try:
-            job = await _client(session, request).json("GET", f"/v1/reports/{report_id}", params={"format": "json"})
-        except ApiFailure as exc:
-            return Response({"error": exc.message}, status_code=exc.status)
-        return Response(job, status_code=200)
+        return await _script_call(request, "GET", f"/v1/reports/{report_id}", params={"format": "json"})
 
     @get("/reports/{report_id:str}/download")
     async def download(self, report_id: str, request: Request[Any, Any, Any]) -> Response[Any]:

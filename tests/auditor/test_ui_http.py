@@ -61,3 +61,15 @@ async def test_forged_or_missing_session_goes_to_sign_in(fake_server: LiveServer
                 assert response.status_code == 303 and response.headers["location"] == "/ui/login", (path, cookies)
             replay = await client.post("/ui/transcripts/x/replay")
             assert replay.status_code == 401, cookies
+
+
+async def test_script_endpoints_answer_the_api_document_or_its_error(fake_server: LiveServer) -> None:
+    async with httpx.AsyncClient(base_url=fake_server.url, timeout=60) as client:
+        await sign_in(client, fake_server, "auditor")
+        exported = await client.post("/ui/reports", data={})
+        assert exported.status_code == 303 and exported.headers["location"].startswith("/ui/reports/")
+        report_id = exported.headers["location"].rsplit("/", 1)[1]
+        status = await client.get(f"/ui/reports/{report_id}/status")
+        assert status.status_code == 200 and status.json()["id"] == report_id, status.text
+        missing = await client.get("/ui/replays/no-such-replay")
+        assert missing.status_code == 404 and set(missing.json()) == {"error"}, missing.text
