@@ -46,8 +46,8 @@ class EngineCore:
         self.shape = shape
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
-        self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)
         self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+        self.max_model_len = self.runner.max_model_len
         # the KV budget is resolved once (explicit, CPU default, or sized from free GPU memory)
         self.config = config = dataclasses.replace(config, num_kv_blocks=self.runner.num_kv_blocks)
         self.scheduler = Scheduler(config, self.eos_ids)

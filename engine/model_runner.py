@@ -74,6 +74,7 @@ class ModelRunner:
         self.model = batch_invariant(model) if config.mode == Mode.BATCH_INVARIANT else model
         self.shape = shape
         self.device = device
+        self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)  # served context
         self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
@@ -142,10 +143,10 @@ class ModelRunner:
         fails leaves that pass eager and says why in `graphs_status` (named in the fingerprint)."""
         from engine.cuda_graphs import DecodeGraphs, VerifyGraph
 
-        max_len = min(self.config.max_model_len or self.shape.max_model_len, self.shape.max_model_len)
         try:
-            self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs, max_len,
-                                                         SCRATCH_BLOCK, canonical=self.canonical_decode)
+            self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
+                                                         self.max_model_len, SCRATCH_BLOCK,
+                                                         canonical=self.canonical_decode)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
@@ -153,7 +154,8 @@ class ModelRunner:
         if self.config.mode != Mode.DVR:
             return
         try:
-            graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, min(max_len, 4096))
+            graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window,
+                                min(self.max_model_len, 4096))
             graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
             graph.capture()
         except (ValueError, RuntimeError) as exc:
