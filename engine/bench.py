@@ -9,10 +9,11 @@ import json
 import platform
 import resource
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -23,6 +24,8 @@ from engine.model_runner import LoadedModel, load_model
 from engine.replay import ReplayRequest
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
+
+T = TypeVar("T")
 
 PROMPTS = [
     "The capital of France is", "Write a short poem about the sea.", "List three prime numbers and explain why.",
@@ -70,17 +73,18 @@ def _measure(loaded: LoadedModel, cfg: EngineConfig, label: str, prompts: list[l
              params: list[SamplingParams]) -> dict[str, Any]:
     """One engine (its own KV cache, freed before the next is built) over the shared weights."""
     llm = _engine(loaded, cfg)
-    outs, secs = _timed(llm, prompts, params)
+    outs, secs = _timed(lambda: llm.generate(prompts, params))
     row = engine_row(label, llm, outs, secs)
     del llm, outs
     gc.collect()
     return row
 
 
-def _timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> tuple[list[RequestOutput], float]:
+def _timed(fn: Callable[[], T]) -> tuple[T, float]:
+    """(fn(), wall-clock seconds)."""
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return outs, time.perf_counter() - t0
+    out = fn()
+    return out, time.perf_counter() - t0
 
 
 def engine_row(label: str, llm: LLM, outs: list[RequestOutput], seconds: float) -> dict[str, Any]:
@@ -159,19 +163,18 @@ def run_replay(args: BenchArgs) -> dict[str, Any]:
     n, t = args.replay_transcripts, args.replay_tokens
     prompts = [list(loaded.tokenizer.encode(PROMPTS[i % len(PROMPTS)])) for i in range(n)]
     params = [replace(p, temperature=0.7 if i % 2 else 0.0) for i, p in enumerate(_params(n, 1.0, t))]
-    outs, gen_secs = _timed(llm, prompts, params)
+    outs, gen_secs = _timed(lambda: llm.generate(prompts, params))
     gen_row = engine_row("generate (dvr, 100% det)", llm, outs, gen_secs)
     reqs = [ReplayRequest(f"r{i}", p, o.token_ids, replace(sp, seed=o.seed), o.windows, o.window_shape)
             for i, (p, sp, o) in enumerate(zip(prompts, params, outs))]
     del llm
     gc.collect()
     rep = _engine(loaded, base)
-    t0 = time.perf_counter()
-    results = rep.replay(reqs)
-    rep_secs = time.perf_counter() - t0
+    results, rep_secs = _timed(lambda: rep.replay(reqs))
     matches = sum(r.first_mismatch is None and r.token_logprobs == o.token_logprobs for r, o in zip(results, outs))
-    row = {"run": "replay (teacher-forced)", "output_tokens": sum(len(r.token_ids) for r in results),
-           "seconds": round(rep_secs, 3), "tokens_per_s": round(sum(len(r.token_ids) for r in results) / rep_secs, 2),
+    replayed = sum(len(r.token_ids) for r in results)
+    row = {"run": "replay (teacher-forced)", "output_tokens": replayed,
+           "seconds": round(rep_secs, 3), "tokens_per_s": round(replayed / rep_secs, 2),
            "verify_passes": rep.core.stats().verify_passes, "matches": matches}
     return {"kind": "replay", "rows": [gen_row, row], "replay_over_generation": round(rep_secs / gen_secs, 3),
             "transcripts": n, "tokens_per_transcript": t, "all_match": matches == n,
