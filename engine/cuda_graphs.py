@@ -35,6 +35,7 @@ from engine.attention.metadata import AttentionMetadata, PassKind
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_SAFE_BACKENDS = ("triton", "batch_invariant")
+GRAPH_MAX_LEN = 4096  # an engine's graphs cover rows up to this many tokens; longer rows run eagerly
 
 
 class _StaticPass:
@@ -161,7 +162,7 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
-                   scratch_block: int, graph_max_len: int = 4096, canonical: bool = False) -> DecodeGraphs:
+                   scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False) -> DecodeGraphs:
         """Captured graphs for an engine's model runner (longer rows fall back to eager decode).
         `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical"."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),

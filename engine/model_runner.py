@@ -141,7 +141,7 @@ class ModelRunner:
         """Decode graphs per padded batch size; the G x W verify graph only if it is bit-exact with the
         eager pass (a graph that changed committed bits would break the DVR invariants). A capture that
         fails leaves that pass eager and says why in `graphs_status` (named in the fingerprint)."""
-        from engine.cuda_graphs import DecodeGraphs, VerifyGraph
+        from engine.cuda_graphs import GRAPH_MAX_LEN, DecodeGraphs, VerifyGraph
 
         try:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
@@ -155,7 +155,7 @@ class ModelRunner:
             return
         try:
             graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window,
-                                min(self.max_model_len, 4096))
+                                min(self.max_model_len, GRAPH_MAX_LEN))
             graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
             graph.capture()
         except (ValueError, RuntimeError) as exc:
