@@ -16,6 +16,17 @@ def test_help(argv) -> None:
     assert proc.returncode == 0 and "usage: python -m engine" in proc.stdout
 
 
+@pytest.mark.parametrize(("argv", "usage", "flag"), [
+    (["bench", "--device", "cuda", "--help"], "usage: python -m engine bench --device cuda", "--sections"),
+    (["bench", "--replay", "--device=cuda", "--help"], "usage: python -m engine bench --replay --device cuda",
+     "--transcripts"),
+])
+def test_cuda_bench_help_reaches_the_gpu_parsers(argv, usage, flag) -> None:
+    """`bench --device cuda` goes to engine.bench_gpu / bench_replay_gpu (the commands bench/h200.sh runs)."""
+    proc = subprocess.run([sys.executable, "-m", "engine", *argv], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.startswith(usage) and flag in proc.stdout
+
+
 def test_generate_deterministic_json(capsys, smollm2_source) -> None:
     argv = ["generate", "The capital of France is", "--deterministic", "--max-tokens", "6", "--seed", "5",
             "--window", "4", "--group", "2", "--kv-blocks", "16", "--json", "--ignore-eos"]
