@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.triton_rows import as_rows
+
 KERNEL_ID = "verbatim-fused-rows-v1"
 
 _MAX_NORM_BLOCK = 8192  # a Llama-size hidden row (4096, 5120, 8192) in one block, read once
@@ -118,16 +120,10 @@ def _rope_kernel(q_ptr, k_ptr, cs_ptr, q_out_ptr, k_out_ptr, HQ, D,
     tl.store(dst + half + offs, (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., H] -> [M, H] with a unit last stride (the kernels index rows by stride)."""
-    x = x.reshape(-1, x.shape[-1])
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual), both [..., H] in x's dtype; residual None: (rms_norm(x), x)."""
-    rows = _rows(x)
+    rows = as_rows(x)
     m, h = rows.shape
     out = torch.empty_like(rows)
     if residual is None:
@@ -136,7 +132,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         if residual.shape != x.shape or residual.dtype != x.dtype:
             raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} must match x "
                              f"{tuple(x.shape)} {x.dtype}")
-        res, summed = _rows(residual), torch.empty_like(rows)
+        res, summed = as_rows(residual), torch.empty_like(rows)
     block = _norm_block(h)
     if m:
         _add_rms_norm_kernel[(m,)](
@@ -154,7 +150,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, [..., I] each (strided views of one fused gate_up output are fine) -> [..., I]."""
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
-    g, u = _rows(gate), _rows(up)
+    g, u = as_rows(gate), as_rows(up)
     m, i = g.shape
     out = torch.empty((m, i), dtype=gate.dtype, device=gate.device)
     if m:

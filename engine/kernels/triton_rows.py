@@ -74,14 +74,14 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_out, B
         tl.store(out_ptr + row * stride_out + start + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
+def as_rows(x: torch.Tensor) -> torch.Tensor:
     """[..., H] -> [M, H] with a unit last stride (the kernels index rows by stride)."""
     x = x.reshape(-1, x.shape[-1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    rows = _rows(x)
+    rows = as_rows(x)
     out = torch.empty_like(rows)
     h = rows.shape[1]
     if rows.shape[0]:
@@ -92,7 +92,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 
 def triton_log_softmax(x: torch.Tensor) -> torch.Tensor:
-    rows = _rows(x)
+    rows = as_rows(x)
     out = torch.empty_like(rows)
     v = rows.shape[1]
     if rows.shape[0]:
@@ -101,7 +101,7 @@ def triton_log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    g, u = _rows(gate), _rows(up)
+    g, u = as_rows(gate), as_rows(up)
     out = torch.empty_like(g)
     i = g.shape[1]
     if g.shape[0]:
