@@ -13,7 +13,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import TORCH_OPS, BatchInvariantOps, bi_paged_attention, check_linear_shapes, query_layout
+from engine.kernels import (
+    TORCH_OPS,
+    BatchInvariantOps,
+    TorchOps,
+    bi_paged_attention,
+    check_linear_shapes,
+    query_layout,
+)
 
 SIZES = (1, 2, 3, 7, 16, 31, 64, 100, 256, 512)
 DTYPES = (torch.float32, torch.bfloat16)
@@ -171,6 +178,11 @@ def test_selfcheck_passes_for_tiles_and_names_the_failing_shape_for_torch() -> N
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown backend"):
         BatchInvariantOps("fast")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="unknown row_kernels"):
+        TorchOps("triton")  # type: ignore[arg-type]
+    k, v, tables = make_cache([10], torch.float32, "cpu")
+    with pytest.raises(ValueError, match="unknown backend"):
+        bi_paged_attention(torch.zeros(1, 4, k.shape[-1]), k, v, tables, torch.tensor([10]), backend="fast")
 
 
 # ---------------------------------------------------------------- attention

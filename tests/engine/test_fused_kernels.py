@@ -150,3 +150,6 @@ def test_model_forward_through_fused_kernels_matches_torch_ops(
     layers = model.arch.num_layers
     assert sorted(set(calls)) == ["add_rms_norm", "rope", "silu_mul"]
     assert calls.count("rope") == calls.count("silu_mul") == layers
+    # every norm fused: input + post-attention per layer, the final one, and q/k norms where the arch has them
+    norms = 2 * layers + 1 + (2 * layers if model.arch.qk_norm else 0)
+    assert calls.count("add_rms_norm") == norms
