@@ -119,7 +119,8 @@ def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: A
 
 
 def test_summary_reads_committed_results() -> None:
-    for name in ("gpu-bench-8b.json", "gpu-bench-modes.json", "gpu-bench-sweep.json"):
-        path = Path(__file__).resolve().parents[2] / "bench" / "results" / name
-        if path.exists():
-            assert "summary failed" not in bg.summary(json.loads(path.read_text()))
+    """Every committed GPU bench result, the current runs (2026-11-29-s2-final/) and the older ones."""
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    paths = sorted(results.glob("gpu-bench-*.json")) + sorted(results.glob("*/gpu-bench-*.json"))
+    for path in paths:
+        assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
