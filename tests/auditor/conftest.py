@@ -277,10 +277,11 @@ def real_engine() -> Iterator[tuple[LoopThread, Any]]:
 
 @pytest.fixture
 async def real_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncIterator[LiveServer]:
-    """A fresh SQLite database and a server on the shared real engine."""
+    """A fresh SQLite database and a server on the shared real engine, with a client and an auditor key."""
     loop_thread, engine = real_engine
     settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    async with serving(settings, engine, loop_thread=loop_thread) as server:
+    tenants = {"client": "acme:client", "auditor": "acme:auditor"}
+    async with serving(settings, engine, tenants, loop_thread=loop_thread) as server:
         yield server
 
 

@@ -3,37 +3,20 @@ official ``openai`` client, a replay, then the bundle exported over HTTP and ver
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import AsyncIterator
-from pathlib import Path
-from typing import Any
 
 import openai
 import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import LiveServer, LoopThread, sqlite_settings, start_server
-from tests.auditor.reports_server import extra_routes
+from tests.auditor.conftest import LiveServer
 from tests.auditor.test_reports_api import export, unzip
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture
-async def real_reports_server(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncIterator[LiveServer]:
-    loop_thread, engine = real_engine
-    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = await start_server(settings, engine, {"client": "acme:client", "auditor": "acme:auditor"},
-                                routes=extra_routes(), loop_thread=loop_thread)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
-
-
-async def test_report_from_a_real_run_verifies_offline(real_reports_server: LiveServer) -> None:
-    server = real_reports_server
+async def test_report_from_a_real_run_verifies_offline(real_server: LiveServer) -> None:
+    server = real_server
     oai = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=server.keys["client"], max_retries=0, timeout=300)
     model = (await oai.models.list()).data[0].id
     ids = []

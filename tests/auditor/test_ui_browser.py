@@ -10,23 +10,18 @@ README's screenshot.
 
 from __future__ import annotations
 
-import asyncio
-import io
 import json
 import os
 import shutil
-import zipfile
-from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import openai
 import pytest
 
 from auditor.reports import verify_bundle
-from tests.auditor.conftest import LiveServer, LoopThread, sqlite_settings, start_server
-from tests.auditor.reports_server import extra_routes
+from tests.auditor.conftest import LiveServer
+from tests.auditor.test_reports_api import unzip
 
 CHROMIUM = "/usr/bin/chromium"
 SCREENSHOT_ENV = "VERBATIM_CONSOLE_SCREENSHOT"
@@ -38,19 +33,6 @@ pytestmark = [
     pytest.mark.skipif(not Path(CHROMIUM).exists(),
                        reason=f"{CHROMIUM} missing: `apt-get install chromium` (make setup does); browser tests skipped"),
 ]
-
-
-@pytest.fixture
-async def console(real_engine: tuple[LoopThread, Any], tmp_path: Path) -> AsyncIterator[LiveServer]:
-    """The app with the report routes and the console on the shared real engine, a fresh SQLite DB."""
-    loop_thread, engine = real_engine
-    settings = await asyncio.to_thread(sqlite_settings, tmp_path)
-    server = await start_server(settings, engine, {"auditor": "acme:auditor", "client": "acme:client"},
-                                routes=extra_routes(), loop_thread=loop_thread)
-    try:
-        yield server
-    finally:
-        await asyncio.to_thread(server.stop)
 
 
 async def make_transcripts(server: LiveServer) -> tuple[str, str, str]:
@@ -69,25 +51,25 @@ async def make_transcripts(server: LiveServer) -> tuple[str, str, str]:
     return model, transcript["id"], chat.choices[0].message.content or ""
 
 
-async def test_console_sign_in_replay_export_download(console: LiveServer, tmp_path: Path) -> None:
+async def test_console_sign_in_replay_export_download(real_server: LiveServer, tmp_path: Path) -> None:
     from playwright.async_api import async_playwright, expect
 
-    model, chat_id, chat_text = await make_transcripts(console)
+    model, chat_id, chat_text = await make_transcripts(real_server)
     assert chat_text.strip()
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
             page = await browser.new_page(accept_downloads=True, viewport={"width": 1280, "height": 900})
-            await page.goto(f"{console.url}/ui")
-            await expect(page).to_have_url(f"{console.url}/ui/login")
+            await page.goto(f"{real_server.url}/ui")
+            await expect(page).to_have_url(f"{real_server.url}/ui/login")
 
             await page.fill("#api_key", "vbk_not-a-real-key")
             await page.click("#sign-in")
             await expect(page.get_by_role("alert")).to_contain_text("invalid or revoked API key")
 
-            await page.fill("#api_key", console.keys["auditor"])
+            await page.fill("#api_key", real_server.keys["auditor"])
             await page.click("#sign-in")
-            await expect(page).to_have_url(f"{console.url}/ui/transcripts")
+            await expect(page).to_have_url(f"{real_server.url}/ui/transcripts")
             await expect(page.locator("#transcripts tr")).to_have_count(4)  # header + 3
             await page.select_option("select[name=deterministic]", "true")
             await page.get_by_role("button", name="Filter").click()
@@ -95,7 +77,7 @@ async def test_console_sign_in_replay_export_download(console: LiveServer, tmp_p
             await expect(page.locator("#transcripts")).to_contain_text(model)
 
             await page.click(f"#transcripts a[href='/ui/transcripts/{chat_id}']")
-            await expect(page).to_have_url(f"{console.url}/ui/transcripts/{chat_id}")
+            await expect(page).to_have_url(f"{real_server.url}/ui/transcripts/{chat_id}")
             await expect(page.locator("#signature-status")).to_have_text("signature: valid")
             await expect(page.locator("#inclusion-status")).to_have_text("log inclusion: proven")
             await expect(page.locator("#windows .window")).not_to_have_count(0)
@@ -122,9 +104,9 @@ async def test_console_sign_in_replay_export_download(console: LiveServer, tmp_p
             await download.save_as(str(bundle))
 
             await page.click("text=Sign out")
-            await expect(page).to_have_url(f"{console.url}/ui/login")
-            await page.goto(f"{console.url}/ui/reports")
-            await expect(page).to_have_url(f"{console.url}/ui/login")
+            await expect(page).to_have_url(f"{real_server.url}/ui/login")
+            await page.goto(f"{real_server.url}/ui/reports")
+            await expect(page).to_have_url(f"{real_server.url}/ui/login")
         finally:
             await browser.close()
 
@@ -143,25 +125,20 @@ async def test_console_sign_in_replay_export_download(console: LiveServer, tmp_p
     assert any(row[3] == "read" and chat_id in row[4] for row in rows), rows  # the console's read of the chat
 
 
-async def test_console_client_role_cannot_export(console: LiveServer) -> None:
+async def test_console_client_role_cannot_export(real_server: LiveServer) -> None:
     from playwright.async_api import async_playwright, expect
 
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
         try:
             page = await browser.new_page()
-            await page.goto(f"{console.url}/ui/login")
-            await page.fill("#api_key", console.keys["client"])
+            await page.goto(f"{real_server.url}/ui/login")
+            await page.fill("#api_key", real_server.keys["client"])
             await page.click("#sign-in")
-            await page.goto(f"{console.url}/ui/reports")
+            await page.goto(f"{real_server.url}/ui/reports")
             await expect(page.get_by_role("alert")).to_contain_text("may not do this")
         finally:
             await browser.close()
-    async with httpx.AsyncClient(base_url=console.url) as anonymous:
+    async with httpx.AsyncClient(base_url=real_server.url) as anonymous:
         response = await anonymous.get("/ui/transcripts", follow_redirects=False)
     assert response.status_code == 303 and response.headers["location"] == "/ui/login"
-
-
-def unzip(data: bytes) -> dict[str, bytes]:
-    with zipfile.ZipFile(io.BytesIO(data)) as zf:
-        return {n: zf.read(n) for n in zf.namelist()}
