@@ -137,6 +137,9 @@ async def test_console_client_role_cannot_export(real_server: LiveServer) -> Non
             await page.click("#sign-in")
             await page.goto(f"{real_server.url}/ui/reports")
             await expect(page.get_by_role("alert")).to_contain_text("may not do this")
+            export = await page.request.post(f"{real_server.url}/ui/reports", form={"include_content": "on"},
+                                             max_redirects=0)
+            assert export.status == 403 and "may not do this" in await export.text(), export.status
         finally:
             await browser.close()
     async with httpx.AsyncClient(base_url=real_server.url) as anonymous:
