@@ -185,3 +185,7 @@ async def test_unfinished_job_is_resumed_after_restart(tmp_path: Path) -> None:
                 break
             await asyncio.sleep(0.1)
         assert got.json()["status"] == "done", got.json()
+        bundle = await auditor.get(f"/v1/reports/{job.id}")
+    assert bundle.headers["content-type"] == "application/zip", bundle.text
+    result = verify_bundle(bundle.content)
+    assert result.ok and json.loads(unzip(bundle.content)["manifest.json"])["report_id"] == job.id, result.render()
