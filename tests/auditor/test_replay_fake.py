@@ -249,7 +249,10 @@ async def test_erased_content_is_409_not_replayable(server: LiveServer) -> None:
         with sqlite3.connect(db_path(server)) as db:
             db.execute("DELETE FROM transcript_contents WHERE transcript_id = ?", (tid,))
         response = await replay(client, tid)
-    assert response.status_code == 409 and "erased" in response.json()["error"]["message"]
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["code"] == "not_replayable" and "erased" in error["message"]
+    assert server.engine.replay_calls == []
 
 
 # --- access, tenants, limits, batching --------------------------------------------------------------
