@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from engine.config import RESERVED_BLOCKS
+from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
@@ -60,7 +61,6 @@ SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "all": ALL_SECTIONS,
 }
 BLOCK_SIZE = 16
-GRAPH_MAX_LEN = 4096  # DecodeGraphs.for_engine's graph_max_len: longer rows decode eagerly
 # Rollbacks per committed token on SmolLM2 at W=32 (greedy, DVR decode rows on the split-KV kernel), from
 # bench/results/gpu-bench-modes.json (H200, 2026-11-29): the injected rate when this run did not measure it.
 COMMITTED_SMOLLM2_FAULT_RATE = 0.00830078125
