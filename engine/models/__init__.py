@@ -37,7 +37,7 @@ def batch_invariant_view(model: LlamaForCausalLM) -> LlamaForCausalLM:
     """`model` with BatchInvariantOps and batch-invariant attention (a weight-sharing view unless it is
     one already), after probing its GEMM shapes once on this machine (RuntimeError naming the shape)."""
     bi = "batch_invariant"
-    if getattr(model.ops, "name", None) != bi or getattr(model.attention, "name", None) != bi:
+    if model.ops.name != bi or model.attention.name != bi:  # both protocols name their numerics
         model = model.with_numerics(BatchInvariantOps(), get_backend(bi))
     check_linear_shapes(model.ops, model.linear_shapes(), model.dtype, model.device)
     return model
