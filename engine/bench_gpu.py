@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from engine.config import RESERVED_BLOCKS
+from engine.config import RESERVED_BLOCKS, EngineConfig
 from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
@@ -60,7 +60,7 @@ SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "long": ("compare_modes_synthetic_long",),                                  # ~6 min
     "all": ALL_SECTIONS,
 }
-BLOCK_SIZE = 16
+BLOCK_SIZE = EngineConfig.block_size  # the engine's default: the bench sizes num_kv_blocks in it too
 # Rollbacks per committed token on SmolLM2 at W=32 (greedy, DVR decode rows on the split-KV kernel), from
 # bench/results/gpu-bench-modes.json (H200, 2026-11-29): the injected rate when this run did not measure it.
 COMMITTED_SMOLLM2_FAULT_RATE = 0.00830078125
@@ -554,8 +554,6 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
 def _engine_config(graphs: bool = True, **kw: Any) -> Any:
     """EngineConfig for a CUDA bench run: Triton attention (batch_invariant keeps its own) and, with
     `graphs`, the model runner's CUDA graphs (decode; verify when bit-exact)."""
-    from engine.config import EngineConfig
-
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
     return EngineConfig(cuda_graphs=graphs, **kw)
