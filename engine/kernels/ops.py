@@ -29,6 +29,7 @@ the same tokens agree bitwise, whatever the batch.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Literal, Protocol
 
 import torch
@@ -80,44 +81,41 @@ class TorchOps:
             raise ValueError(f"unknown row_kernels {row_kernels!r}; expected auto or torch")
         self.row_kernels = row_kernels
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        return x.is_cuda and self.row_kernels == "auto"
+    def _fused(self, x: torch.Tensor) -> ModuleType | None:
+        """engine.kernels.triton_fused when x's row ops run as Triton kernels (CUDA, "auto"), else None."""
+        if not x.is_cuda or self.row_kernels != "auto":
+            return None
+        from engine.kernels import triton_fused  # lazily: a CPU-only process never imports triton
+
+        return triton_fused
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        if not self._fused(x):
-            return rms_norm_rows(x, weight, eps)
-        from engine.kernels import triton_fused
-
-        return triton_fused.rms_norm(x, weight, eps)
+        fused = self._fused(x)
+        return rms_norm_rows(x, weight, eps) if fused is None else fused.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
-        if not self._fused(x):
+        fused = self._fused(x)
+        if fused is None:
             return torch_add_rms_norm(self, x, residual, weight, eps)
-        from engine.kernels import triton_fused
-
-        return triton_fused.add_rms_norm(x, residual, weight, eps)
+        return fused.add_rms_norm(x, residual, weight, eps)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x.float(), dim=-1).to(x.dtype)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not self._fused(gate):
+        fused = self._fused(gate)
+        if fused is None:
             return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-        from engine.kernels import triton_fused
-
-        return triton_fused.silu_mul(gate, up)
+        return fused.silu_mul(gate, up)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self._fused(q):
-            return torch_rope(q, k, cos_sin)
-        from engine.kernels import triton_fused
-
-        return triton_fused.rope(q, k, cos_sin)
+        fused = self._fused(q)
+        return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
 
 
 TORCH_OPS = TorchOps()

@@ -120,8 +120,8 @@ def test_rope_rotates_q_and_k_in_one_launch(tf: ModuleType, dtype: torch.dtype, 
 class _InterpretedFusedOps(TorchOps):
     """TorchOps taking its CUDA path (the fused kernels) on CPU tensors."""
 
-    def _fused(self, x: torch.Tensor) -> bool:
-        return True
+    def _fused(self, x: torch.Tensor) -> ModuleType:
+        return engine.kernels.triton_fused  # the interpreted module the `tf` fixture installed
 
 
 @pytest.mark.parametrize("preset", ["tiny", "qwen3-tiny", "qwen2-tiny"])
