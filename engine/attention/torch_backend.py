@@ -48,6 +48,7 @@ class DecodeBatch:
 
     block_ids: torch.Tensor  # Long[R, num_blocks]
     key_mask: torch.Tensor  # Bool[R, 1, 1, L]: key position < seq_len
+    stale_keys: torch.Tensor  # Bool[R, 1, L, 1]: ~key_mask; K/V zeroed there so a stale NaN never meets 0 * NaN
     canonical_rows: torch.Tensor | None = None  # Long[C]: flagged rows (= their tokens), tiled schedule
     canonical: TileGroup | None = None  # those C rows, CANONICAL_DECODE_QUERIES queries each
 
@@ -237,8 +238,8 @@ def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int)
     num_blocks = math.ceil(max(seq_lens) / block_size)
     block_ids = _padded_blocks(meta.block_tables, list(range(len(seq_lens))), num_blocks)
     key_pos = torch.arange(num_blocks * block_size, device=block_ids.device)
-    key_mask = key_pos[None, :] < meta.seq_lens.to(block_ids.device)[:, None]
-    return DecodeBatch(block_ids, key_mask[:, None, None, :])
+    key_mask = key_pos[None, :] < meta.seq_lens.to(block_ids.device)[:, None]  # [R, L]
+    return DecodeBatch(block_ids, key_mask[:, None, None, :], ~key_mask[:, None, :, None])
 
 
 def _with_canonical_rows(
@@ -273,9 +274,8 @@ def _decode_attention(
     length = nb * k_cache.shape[1]
     keys = gather_blocks(k_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)  # [R, Hkv, L, D]
     values = gather_blocks(v_cache, batch.block_ids).view(r, length, hkv, d).transpose(1, 2)
-    stale = ~batch.key_mask.view(r, 1, length, 1)  # zeroed: a stale NaN must not reach 0 * NaN
-    keys.masked_fill_(stale, 0.0)
-    values.masked_fill_(stale, 0.0)
+    keys.masked_fill_(batch.stale_keys, 0.0)
+    values.masked_fill_(batch.stale_keys, 0.0)
     out = F.scaled_dot_product_attention(
         q[:, :, None, :].to(keys.dtype), keys, values, attn_mask=batch.key_mask, scale=scale, enable_gqa=True
     )  # [R, Hq, 1, D]
