@@ -120,6 +120,23 @@ def test_silu_mul_is_batch_invariant_and_correct(dtype: torch.dtype, i: int) -> 
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_and_rope_are_batch_invariant(dtype: torch.dtype) -> None:
+    """The residual-add norm (x and residual stacked per row) and RoPE (q | k | cos_sin stacked per token)."""
+    w = 1 + 0.1 * _rand(96, dtype=dtype, device="cpu", seed=32)
+    xr = _rand(512, 2, 96, dtype=dtype, device="cpu", seed=30) * 3  # [M, (x, residual), H]
+    out = assert_row_invariant(lambda t: torch.cat(OPS.add_rms_norm(t[:, 0], t[:, 1], w, 1e-5), dim=-1), xr)
+    summed = xr[:, 0] + xr[:, 1]
+    assert torch.equal(out[:, 96:], summed)
+    assert torch.equal(out[:, :96], OPS.rms_norm(summed, w, 1e-5))
+
+    def rope(t: torch.Tensor) -> torch.Tensor:  # t [T, 4 + 2 + 2, D]: 4 q heads, 2 k heads, cos, sin
+        q, k, cos_sin = t.split((4, 2, 2), dim=1)
+        return torch.cat(OPS.rope(q, k, cos_sin), dim=1)
+
+    assert_row_invariant(rope, _rand(512, 8, 32, dtype=dtype, device="cpu", seed=31))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_row_position_over_model_shapes(dtype: torch.dtype) -> None:
     """Position invariance inside a 16-row tile at SmolLM2 / Qwen2 / odd shapes (bits, 48 rows)."""
     for k, n in ((576, 576), (576, 192), (576, 1536), (1536, 576), (896, 128), (63, 16), (127, 17), (65, 9)):
