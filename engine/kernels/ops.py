@@ -19,7 +19,8 @@ the SwiGLU must go through it; one stray `x @ w.T` breaks the mode. Inputs may b
 TorchOps on CUDA runs the row ops (RMSNorm with the residual add fused in, SwiGLU, RoPE of q and k in
 one launch) as the Triton kernels of `triton_fused` (one launch each instead of several torch
 elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
-with the numerics it always had. `TorchOps(row_kernels="torch")` forces torch everywhere (A/B).
+(the SwiGLU computed in fp32 and rounded once, as the kernel does). `TorchOps(row_kernels="torch")`
+forces torch everywhere (A/B).
 
 Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode the backend
 should call `engine.kernels.bi_paged_attention` for EVERY pass kind (prefill, decode): a query's bits
