@@ -81,6 +81,10 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
     if config.mode == Mode.BATCH_INVARIANT:  # the split size and the kernel family fix the reduction order
         fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
         fp["batch_invariant_kernels"] = "triton" if device.type == "cuda" else f"torch-tiles-{TILE_ROWS}"
+        if device.type == "cuda":  # the GEMM's tile table (its bits were measured shape-independent)
+            from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
+
+            fp["bi_matmul"] = BI_MATMUL_ID
     if config.attention_backend == "triton":  # its tile shapes fix the prefill / verify reduction order
         from engine.attention.triton_paged import KERNEL_ID
 

@@ -1,12 +1,17 @@
 """Batch-invariant Triton GEMM: out = x @ w.T (+ bias), CUDA only. Imported lazily (imports triton).
 
-Invariance argument: the tile configuration is a function of (dtype, N, device) only — of the weight
-matrix, never of the batch size M. Each program owns one [BLOCK_M, BLOCK_N] output tile and runs the
-WHOLE K loop itself in increasing k (no split-K, no stream-K), accumulating in fp32 with tl.dot. An output element's reduction order is
-thus fixed by K and the tile config; rows beyond M are masked loads of zero and do not touch other rows.
+Invariance argument: each program owns one [BLOCK_M, BLOCK_N] output tile and runs the WHOLE K loop
+itself in increasing k (no split-K, no stream-K), accumulating in fp32 with tl.dot. An output element's
+reduction is thus the same chain of 16-wide MMA steps in increasing k whatever the tile shape; rows
+beyond M are masked loads of zero and do not touch other rows.
 
-BLOCK_N shrinks for narrow weights so that decode (M <= BLOCK_M, one row of tiles) still launches about
-one program per SM: with no split-K, the N tiles are the only parallelism a small batch has.
+16-bit inputs: the tile shape follows the batch size M (`_BUCKETS`: small tiles for decode, large for
+prefill), which is only sound if the MMA bits do not depend on the tile shape. The bits were measured
+equal across 11 tile shapes (BLOCK_M 16..128, BLOCK_N 32..256, BLOCK_K 64/128) on the H200
+(`python -m engine.bench_bi_matmul`, bench/results/2026-11-29-s3/bi-matmul-probe.json), and every
+process re-checks it once per device and dtype before using more than one shape
+(`tile_shapes_agree`); where they disagree it falls back to the single `_FIXED` shape for every M.
+fp32 (IEEE FMA) always uses the single fixed shape.
 """
 
 from __future__ import annotations
@@ -15,13 +20,24 @@ import torch
 import triton
 import triton.language as tl
 
-# dtype -> (BLOCK_M, BLOCK_K, num_stages); never autotuned, never a function of M.
-_DTYPE_CONFIGS: dict[torch.dtype, tuple[int, int, int]] = {
-    torch.bfloat16: (128, 64, 3),
-    torch.float16: (128, 64, 3),
-    torch.float32: (128, 32, 3),
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); never autotuned.
+Tile = tuple[int, int, int, int, int]
+# 16-bit: (largest M, tile) in increasing M; the tile of the first bucket holding M (fastest measured on
+# the H200 for the Llama-3.1-8B shapes, bench/results/2026-11-29-s3/bi-matmul-probe.json)
+_BUCKETS: tuple[tuple[int, Tile], ...] = (
+    (128, (64, 64, 128, 4, 3)),
+    (512, (128, 128, 64, 8, 3)),
+    (1 << 62, (128, 256, 64, 8, 3)),
+)
+_FIXED: dict[torch.dtype, Tile] = {  # the one shape for every M (fp32, or 16-bit where shapes disagree)
+    torch.bfloat16: (128, 128, 64, 8, 3),
+    torch.float16: (128, 128, 64, 8, 3),
+    torch.float32: (128, 32, 32, 4, 3),
 }
+_DTYPE_CONFIGS = _FIXED  # the supported dtypes
 _GROUP_M = 8
+KERNEL_ID = "verbatim-bi-matmul-v2-" + "-".join("x".join(map(str, t)) for _, t in _BUCKETS)
+_AGREE: dict[tuple[str, torch.dtype], bool] = {}
 
 
 # M is not specialised: Triton would otherwise compile a separate variant for M == 1 or M % 16 == 0.
@@ -66,13 +82,45 @@ def _matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def _block_n(n: int, device: torch.device) -> int:
-    """Largest BLOCK_N in (128, 64, 32) giving at least one N tile per SM; depends on N and the GPU only."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    for block_n in (128, 64):
-        if triton.cdiv(n, block_n) >= sms:
-            return block_n
-    return 32
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, tile: Tile) -> None:
+    (m, k), n = x.shape, weight.shape[0]
+    block_m, block_n, block_k, warps, stages = tile
+    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    _matmul_kernel[grid](
+        x, weight, bias if bias is not None else x, out,
+        m, n, k,
+        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M,
+        num_warps=warps, num_stages=stages,
+    )
+
+
+def tile_shapes_agree(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether every bucket's tile shape gives bitwise the fixed shape's output on this device and dtype
+    (checked once per process: random [192, 1000] @ [300, 1000].T with a bias, ragged on purpose)."""
+    key = (str(device), dtype)
+    if key not in _AGREE:
+        g = torch.Generator(device=device).manual_seed(20261129)
+        x = torch.randn(192, 1000, device=device, generator=g).to(dtype)
+        w = (torch.randn(300, 1000, device=device, generator=g) * 0.05).to(dtype)
+        b = torch.randn(300, device=device, generator=g).to(dtype)
+        ref = torch.empty(192, 300, device=device, dtype=dtype)
+        _launch(x, w, b, ref, _FIXED[dtype])
+        agree = True
+        for _, tile in _BUCKETS:
+            out = torch.empty_like(ref)
+            _launch(x, w, b, out, tile)
+            agree = agree and torch.equal(out, ref)
+        _AGREE[key] = agree
+    return _AGREE[key]
+
+
+def tile_for(m: int, dtype: torch.dtype, device: torch.device) -> Tile:
+    """The tile shape of an [m, K] input: by M bucket for 16-bit dtypes whose shapes agree, else fixed."""
+    if dtype == torch.float32 or not tile_shapes_agree(device, dtype):
+        return _FIXED[dtype]
+    return next(tile for limit, tile in _BUCKETS if m <= limit)
 
 
 def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,16 +133,5 @@ def triton_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty((m, n), device=x.device, dtype=x.dtype)
     if m == 0 or n == 0:
         return out
-    block_m, block_k, stages = _DTYPE_CONFIGS[x.dtype]
-    block_n = _block_n(n, x.device)
-    warps = 8 if block_n == 128 else 4
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
-    _matmul_kernel[grid](
-        x, weight, bias if bias is not None else x, out,
-        m, n, k,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M,
-        num_warps=warps, num_stages=stages,
-    )
+    _launch(x, weight, bias, out, tile_for(m, x.dtype, x.device))
     return out

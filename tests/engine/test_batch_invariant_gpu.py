@@ -147,3 +147,20 @@ def test_report_speed_vs_torch() -> None:
     seq_lens = torch.tensor(lens, device="cuda")
     ms = _ms(lambda: bi_paged_attention(q, k_c, v_c, tables, seq_lens, backend="triton", max_seq_len=2048))
     print(f"[bi-speed] decode attention 64 x 2048 keys, Hq=32 Hkv=8 D=128: {ms:.3f} ms per layer")
+
+
+def test_triton_linear_tile_buckets_agree_bf16() -> None:
+    """The tile shape follows M (engine.kernels.triton_matmul._BUCKETS): every bucket must give the fixed
+    shape's bits on this GPU (else the mode falls back to one shape), and prefixes crossing all buckets
+    (M = 1 .. 1100) must equal the rows of the largest batch."""
+    from engine.kernels import triton_matmul as tm
+
+    assert tm.tile_shapes_agree(torch.device("cuda"), torch.bfloat16)
+    x = _rand(1100, MLP, dtype=torch.bfloat16, device="cuda", seed=5)
+    w = _rand(HIDDEN, MLP, dtype=torch.bfloat16, device="cuda", seed=6) / math.sqrt(MLP)
+    full = TRITON.linear(x, w)
+    for m in (1, 2, 63, 64, 65, 128, 129, 300, 512, 513, 777, 1100):
+        assert torch.equal(TRITON.linear(x[:m], w), full[:m]), m
+    fixed = torch.empty_like(full)
+    tm._launch(x, w, None, fixed, tm._FIXED[torch.bfloat16])
+    assert torch.equal(fixed, full)
