@@ -1,8 +1,10 @@
 """Continuous batching: admit, plan prefill / decode / verify steps under budgets, preempt.
 
 Policy per step (first that applies):
-1. PREFILL the head of the waiting queue: a DVR or replay prompt alone (canonical), or a run of
-   consecutive non-deterministic prompts batched under the token budget.
+1. PREFILL the head of the waiting queue: a canonical pass (fixed size) when the head is a DVR or replay
+   prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass
+   (non-deterministic prompts ride along in both); else a run of consecutive non-deterministic prompts
+   batched under the token budget.
 2. VERIFY when >= G rows are ready, or nothing can decode, or the oldest ready row waited W steps.
 3. DECODE every running sequence that can take a fast-path token.
 Preemption (KV exhausted) evicts the newest running sequence; it re-enters the waiting queue's head and
@@ -118,7 +120,10 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         if self.waiting[0].kind != SeqKind.FAST:
-            return self._plan_canonical_prefill()
+            return self._plan_canonical_prefill(self.waiting[0])
+        anchor = self._full_size_canonical_in_reach()
+        if anchor is not None:
+            return self._plan_canonical_prefill(anchor)
         items: list[PrefillItem] = []
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -133,14 +138,32 @@ class Scheduler:
             budget -= len(item.tokens)
         return Plan(StepKind.PREFILL, prefill=items) if items else None
 
-    def _plan_canonical_prefill(self) -> Plan | None:
-        """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the head's prompt) and
-        at most CANONICAL_PREFILL_ROWS prompts. It takes, in queue order, the DVR / replay prompts with the
+    def _full_size_canonical_in_reach(self) -> Sequence | None:
+        """The first DVR / replay prompt a plain pass would reach (queue order, within the token budget and
+        the row caps) whose canonical pass is as large as a plain pass (P = max_num_batched_tokens, the CUDA
+        default). The pass is then planned canonical around it: it takes the same non-deterministic
+        prompts a plain pass would, plus the deterministic ones, instead of stopping at the first of them
+        and leaving it a mostly padded pass of its own."""
+        budget, rows = self.config.max_num_batched_tokens, 0
+        room = min(self.config.max_num_seqs - len(self.running), CANONICAL_PREFILL_ROWS)
+        for seq in self.waiting:
+            n = len(prefill_item(seq).tokens)
+            if n > budget or rows >= room:
+                return None
+            if seq.kind != SeqKind.FAST:
+                full = canonical_prefill_tokens(self.config, n) == self.config.max_num_batched_tokens
+                return seq if full else None
+            budget, rows = budget - n, rows + 1
+        return None
+
+    def _plan_canonical_prefill(self, anchor: Sequence) -> Plan | None:
+        """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the anchor, a DVR /
+        replay prompt: the queue's head, or one a plain pass would reach) and at most
+        CANONICAL_PREFILL_ROWS prompts. It takes, in queue order, the DVR / replay prompts with the
         same P and any non-deterministic prompt, while they fit; the rest of the pass is dummy tokens. A
         row's bits depend only on its own tokens and P (every GEMM has M = P, the logits GEMM M = the row
         cap), so a prompt prefilled here, alone or packed, later or in a replay, gives the same bits."""
-        head = self.waiting[0]
-        pass_tokens = canonical_prefill_tokens(self.config, len(prefill_item(head).tokens))
+        pass_tokens = canonical_prefill_tokens(self.config, len(prefill_item(anchor).tokens))
         items: list[PrefillItem] = []
         budget = pass_tokens
         for seq in list(self.waiting):

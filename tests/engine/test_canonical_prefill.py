@@ -95,3 +95,29 @@ def test_packed_prefill_gives_the_bits_of_a_lone_prefill(make_real_llm: Any, smo
     mixed = llm.generate(prompts + prompts[:2], det + [fast, fast])
     assert llm.core.totals.prefill_passes == 1  # 4 DVR prompts + 2 fast ones in one 64-token pass
     assert_same(mixed[:4], alone)
+
+
+def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass() -> None:
+    """When the canonical pass is as large as a plain pass (the CUDA default), a plain pass reaching a DVR
+    prompt becomes canonical and takes it along, instead of stopping before it (one padded pass fewer)."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 30, False), _seq(1, 40, True), _seq(2, 20, False), _seq(3, 200, False)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1", "r2"]
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r3"]
+
+
+def test_deterministic_prompt_beyond_the_budget_does_not_make_the_pass_canonical() -> None:
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r2"]
