@@ -4,7 +4,8 @@
 #   bench/h200.sh STAGE [STAGE ...]      run from the source root on the GPU machine; results go to $OUT
 #
 # Stages: setup (wheels from .whl/, SmolLM2 GGUF from ~/gm parts), tests (every `gpu`-marked test),
-# core (issue 5 benchmark on the synthetic 8B), replay (issue 4), modes (issue 6 comparison on the 8B
+# core (issue 5 benchmark on the synthetic 8B), replay (issue 4), bi (batch-invariant numerics breakdown),
+# probe (batch-invariant GEMM tile shapes), modes (issue 6 comparison on the 8B
 # and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
@@ -47,6 +48,15 @@ stage_modes() {
 stage_sweep() {
   timeout "${SWEEP_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections sweep --gguf "$GGUF" \
     --out "$OUT" --name gpu-bench-sweep ${SWEEP_ARGS:-} 2>&1 | tail -40
+}
+
+stage_bi() {
+  timeout "${BI_TIMEOUT:-300}" python3 -m engine bench --device cuda --sections bi --out "$OUT" \
+    --name gpu-bench-bi 2>&1 | tail -40
+}
+
+stage_probe() {
+  timeout "${PROBE_TIMEOUT:-240}" python3 -m engine.bench_bi_matmul --out "$OUT" 2>&1 | tail -70
 }
 
 stage_long() {

@@ -49,14 +49,15 @@ from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
                       "engine_generate", "hf_generate")
-ALL_SECTIONS = SYNTHETIC_SECTIONS + ("smollm2_rollback", "compare_modes", "compare_modes_synthetic",
-                                     "compare_modes_synthetic_long", "wg_sweep")
+ALL_SECTIONS = SYNTHETIC_SECTIONS + ("bi_breakdown", "smollm2_rollback", "compare_modes",
+                                     "compare_modes_synthetic", "compare_modes_synthetic_long", "wg_sweep")
 # Each preset is sized to finish well inside one 10-minute device call (estimates from the 2026-11-29 runs).
 SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "core": ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "engine_generate", "hf_generate",
              "verify_cost"),                                                    # ~4 min
     "modes": ("smollm2_rollback", "compare_modes", "compare_modes_synthetic"),  # ~6 min
     "sweep": ("wg_sweep",),                                                     # ~4 min
+    "bi": ("bi_breakdown",),                                                    # ~1 min
     "long": ("compare_modes_synthetic_long",),                                  # ~6 min
     "all": ALL_SECTIONS,
 }
@@ -422,18 +423,26 @@ def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
     return out
 
 
-def _profile_decode_kernels(ctx: Ctx, model: Any) -> dict[str, Any]:
-    """GPU kernels of one eager batch-1 decode step (count, and device time by kernel name)."""
+def _profile_decode_kernels(ctx: Ctx, model: Any, batch: int = 1, prefill_tokens: int = 0) -> dict[str, Any]:
+    """GPU kernels of one eager decode step of `batch` rows at --context (or, prefill_tokens > 0, of one
+    prefill pass of that many tokens in rows of 256): count, and device time by kernel name."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.attention import PassKind, RowSpec, build_metadata, positions_of
 
     context = ctx.args.context
-    nb = -(-(context + 16) // BLOCK_SIZE)
-    kv = model.allocate_kv_cache(RESERVED_BLOCKS + nb, BLOCK_SIZE)
-    rows = [RowSpec(list(range(RESERVED_BLOCKS, RESERVED_BLOCKS + nb)), context - 1, 1)]
-    meta = build_metadata(PassKind.DECODE, rows, BLOCK_SIZE, ctx.device)
-    ids = torch.tensor([11], device=ctx.device)
+    nb = -(-(max(context, 256) + 16) // BLOCK_SIZE)
+    n_rows = -(-prefill_tokens // 256) if prefill_tokens else batch
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + n_rows * nb, BLOCK_SIZE)
+    tables = [list(range(RESERVED_BLOCKS + r * nb, RESERVED_BLOCKS + (r + 1) * nb)) for r in range(n_rows)]
+    if prefill_tokens:
+        rows = [RowSpec(t, 0, 256) for t in tables]
+        kind = PassKind.PREFILL
+    else:
+        rows = [RowSpec(t, context - 1, 1) for t in tables]
+        kind = PassKind.DECODE
+    meta = build_metadata(kind, rows, BLOCK_SIZE, ctx.device)
+    ids = torch.full((sum(r.num_tokens for r in rows),), 11, device=ctx.device)
     pos = positions_of(rows, ctx.device)
     with torch.inference_mode():
         for _ in range(2):
@@ -452,6 +461,52 @@ def _profile_decode_kernels(ctx: Ctx, model: Any) -> dict[str, Any]:
     del kv
     return {"kernels": sum(len(v) for v in by_name.values()), "device_us": total,
             "top": [{"name": k, "count": len(v), "us": round(sum(v), 1)} for k, v in top]}
+
+
+def bench_bi_breakdown(ctx: Ctx) -> dict[str, Any]:
+    """Issue 6 diagnostic: the batch_invariant numerics (BatchInvariantOps + BatchInvariantAttention, a
+    weight-sharing view of the synthetic 8B) against the model's own: graphed decode steps at batch 1 and
+    the largest batch, an eager 4096-token prefill pass, and the kernels of the BI decode / prefill."""
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+    from engine.attention.batch_invariant import BatchInvariantAttention
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.kernels import BatchInvariantOps
+
+    model = synthetic(ctx)
+    bi = model.with_numerics(BatchInvariantOps(), BatchInvariantAttention())
+    context, batches = ctx.args.context, (1, max(ctx.args.batches))
+    nb = -(-(max(context, 256) + 16) // BLOCK_SIZE)
+    rows_needed = max(max(batches), 16)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + rows_needed * nb, BLOCK_SIZE)
+    fill_cache_(kv, seed=2)
+    out: dict[str, Any] = {"context": context}
+    for label, m in (("model", model), ("batch_invariant", bi)):
+        graphs = DecodeGraphs(m, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
+        graphs.capture()
+        for b in batches:
+            tables = contiguous_tables(b, nb)
+            ids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
+            t = time_cuda(lambda: graphs.run(ids, [context - 1] * b, [context] * b, tables), reps=ctx.args.reps)
+            out[f"{label}_decode_b{b}_ms"] = t["median_ms"]
+        del graphs
+        tables = contiguous_tables(16, nb)
+        rows = [RowSpec(t, 0, 256) for t in tables]
+        meta = build_metadata(PassKind.PREFILL, rows, BLOCK_SIZE, ctx.device)
+        ids_t = torch.full((16 * 256,), 7, device=ctx.device)
+        pos = positions_of(rows, ctx.device)
+        with torch.inference_mode():
+            t = time_cuda(lambda: m.compute_logits(m(ids_t, pos, meta, kv)[-16:]), reps=5)
+        out[f"{label}_prefill_4096_ms"] = t["median_ms"]
+    del kv
+    for key in ("decode_b%d" % max(batches), "prefill_4096"):
+        out[f"ratio_{key}"] = out[f"model_{key}_ms"] / out[f"batch_invariant_{key}_ms"]
+    for name, kwargs in (("profile_bi_decode", {"batch": max(batches)}), ("profile_bi_prefill", {"prefill_tokens": 4096})):
+        try:
+            out[name] = _profile_decode_kernels(ctx, bi, **kwargs)
+        except Exception as exc:  # a diagnostic: keep the timings if the profiler fails
+            out[name] = {"error": repr(exc)}
+    torch.cuda.empty_cache()
+    return out
 
 
 def _eager_decode_ms(model: Any, kv: Any, tables: list[list[int]], ids: list[int], pos: list[int],
@@ -1072,7 +1127,8 @@ def _pct(values: list[float], p: float) -> float | None:
 SECTIONS: dict[str, Callable[[Ctx], dict[str, Any]]] = {
     "bandwidth": bench_bandwidth, "decode_step": bench_decode_step, "decode_breakdown": bench_decode_breakdown,
     "lite_generate": bench_lite_generate,
-    "verify_cost": bench_verify_cost, "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
+    "verify_cost": bench_verify_cost, "bi_breakdown": bench_bi_breakdown,
+    "engine_generate": bench_engine_generate, "hf_generate": bench_hf_generate,
     "smollm2_rollback": bench_smollm2_rollback, "compare_modes": bench_compare_modes,
     "compare_modes_synthetic": bench_compare_modes_synthetic,
     "compare_modes_synthetic_long": bench_compare_modes_synthetic_long, "wg_sweep": bench_wg_sweep,
