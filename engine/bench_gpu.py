@@ -474,13 +474,17 @@ def bench_bi_breakdown(ctx: Ctx) -> dict[str, Any]:
 
     model = synthetic(ctx)
     bi = model.with_numerics(BatchInvariantOps(), BatchInvariantAttention())
+    from engine.attention.triton_paged import TritonPagedAttention
+
+    # the alternative attention for the mode: every query through the absolute-tile no-split kernel
+    bi_paged = model.with_numerics(BatchInvariantOps(), TritonPagedAttention(decode="canonical"))
     context, batches = ctx.args.context, (1, max(ctx.args.batches))
     nb = -(-(max(context, 256) + 16) // BLOCK_SIZE)
     rows_needed = max(max(batches), 16)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + rows_needed * nb, BLOCK_SIZE)
     fill_cache_(kv, seed=2)
     out: dict[str, Any] = {"context": context}
-    for label, m in (("model", model), ("batch_invariant", bi)):
+    for label, m in (("model", model), ("batch_invariant", bi), ("bi_ops_paged_canonical", bi_paged)):
         graphs = DecodeGraphs(m, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
         graphs.capture()
         for b in batches:
