@@ -118,7 +118,13 @@ def tile_shapes_agree(device: torch.device, dtype: torch.dtype) -> bool:
 
 def tile_for(m: int, dtype: torch.dtype, device: torch.device) -> Tile:
     """The tile shape of an [m, K] input: by M bucket for 16-bit dtypes whose shapes agree, else fixed."""
-    if dtype == torch.float32 or not tile_shapes_agree(device, dtype):
+    if dtype == torch.float32:
+        return _FIXED[dtype]
+    if (str(device), dtype) not in _AGREE and torch.cuda.is_current_stream_capturing():
+        # the check syncs, which a CUDA-graph capture forbids: the fixed shape is right either way (if the
+        # shapes agree it gives the buckets' bits; if not, the check will pick it for every later call)
+        return _FIXED[dtype]
+    if not tile_shapes_agree(device, dtype):
         return _FIXED[dtype]
     return next(tile for limit, tile in _BUCKETS if m <= limit)
 

@@ -35,3 +35,13 @@ def test_disagreeing_device_gets_one_fixed_shape(monkeypatch: pytest.MonkeyPatch
 def test_kernel_id_names_the_buckets() -> None:
     for _, tile in tm._BUCKETS:
         assert "x".join(map(str, tile)) in tm.KERNEL_ID
+
+
+def test_unchecked_device_under_graph_capture_gets_the_fixed_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The agreement check syncs, which a CUDA-graph capture forbids: an unchecked device then uses the
+    fixed shape, whose bits are right whether or not the bucket shapes agree."""
+    dev = torch.device("cuda", 7)
+    monkeypatch.delitem(tm._AGREE, (str(dev), torch.bfloat16), raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert tm.tile_for(1, torch.bfloat16, dev) == tm._FIXED[torch.bfloat16]
+    assert (str(dev), torch.bfloat16) not in tm._AGREE
