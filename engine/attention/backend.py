@@ -9,6 +9,10 @@ from engine.attention.metadata import AttentionMetadata
 
 
 class AttentionBackend(Protocol):
+    """A backend may also set `kv_prewritten = True` (class attribute, optional; TritonPagedAttention does):
+    its forward then takes k = v = None, meaning this pass's K/V are already in the cache at the plan's
+    `slot_mapping` (the model wrote them with the ops' rope_write_kv, see engine.kernels.ops.Ops)."""
+
     name: str
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> Any:

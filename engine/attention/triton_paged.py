@@ -227,6 +227,9 @@ class TritonPagedAttention:
 
     name = "triton"
     kernel_id = KERNEL_ID
+    # forward accepts k = v = None: this pass's K/V already sit in the cache at plan.slot_mapping (written by
+    # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
+    kv_prewritten = True
 
     def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split") -> None:
         """decode="split": the split-KV decode kernel (fast), except for the rows a DECODE pass flags in
@@ -271,14 +274,17 @@ class TritonPagedAttention:
     def forward(
         self,
         q: torch.Tensor,        # [T, Hq, D]
-        k: torch.Tensor,        # [T, Hkv, D]
-        v: torch.Tensor,
+        k: torch.Tensor | None,  # [T, Hkv, D]; None with v: already written to plan.slot_mapping (kv_prewritten)
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         plan: TritonPlan,
         scale: float,
     ) -> torch.Tensor:          # [T, Hq, D]
-        write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
+        if k is not None or v is not None:
+            if k is None or v is None:
+                raise ValueError("k and v are written together: pass both, or neither (kv_prewritten)")
+            write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         if plan.one_query_per_row:
             splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)

@@ -20,7 +20,8 @@ TorchOps on CUDA runs the row ops (RMSNorm with the residual add fused in, SwiGL
 one launch) as the Triton kernels of `triton_fused` (one launch each instead of several torch
 elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
 (the SwiGLU computed in fp32 and rounded once, as the kernel does). `TorchOps(row_kernels="torch")`
-forces torch everywhere (A/B).
+forces torch everywhere (A/B). On that Triton path TorchOps also offers `rope_write_kv` (see Ops): RoPE that
+writes K and V into the paged KV cache itself, saving the two index_copy_ launches of write_kv per layer.
 
 Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode the backend
 should call `engine.kernels.bi_paged_attention` for EVERY pass kind (prefill, decode): a query's bits
@@ -44,6 +45,18 @@ RowKernels = Literal["auto", "torch"]
 
 
 class Ops(Protocol):
+    """The ops every implementation has. One more is optional (look it up with getattr; only TorchOps has it):
+
+        rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots) -> q | None
+
+    `rope`, with the rotated k and v [T, Hkv, D] written into the layer's paged caches [num_blocks,
+    block_size, Hkv, D] at `slots` (Long[T], block * block_size + offset, the plan's slot_mapping) instead
+    of returned; the caches get the bits `rope` + write_kv would leave there, and the call stays CUDA-graph
+    capturable. It returns the rotated q, or None (having touched nothing) where this object has no fused
+    path for these tensors. The model uses it only with an attention backend that declares
+    `kv_prewritten = True` (it then calls `backend.forward(q, None, None, ...)`).
+    """
+
     name: str
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -117,6 +130,14 @@ class TorchOps:
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         fused = self._fused(q)
         return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
+
+    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """rope with the rotated k and v written into the paged caches at `slots` in the same launch
+        (the optional Ops method, see Ops) -> the rotated q; None, touching nothing, where the row ops are
+        not the Triton kernels (CPU, row_kernels="torch"): the caller then does rope + the backend's write."""
+        fused = self._fused(q)
+        return None if fused is None else fused.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
 
 
 TORCH_OPS = TorchOps()

@@ -14,6 +14,8 @@ Numerics (one rounding to the model dtype per value, as a torch op in that dtype
   (the semantics of tiles.rms_norm_rows; the reduction order is this kernel's own).
 - silu_mul: round(g / (1 + exp(-g)) * u) in fp32.
 - rope: round(x * cos + rotate_half(x) * sin) in fp32, cos/sin given in the model dtype.
+- rope_write_kv: rope, with the rotated k and v stored straight into the paged KV cache at the plan's
+  slots (the bits `rope` then write_kv's index_copy_ would leave there) instead of returned.
 """
 
 from __future__ import annotations
@@ -95,7 +97,9 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, stride_out, B
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, cs_ptr, q_out_ptr, k_out_ptr, HQ, D,
                  stride_qt, stride_qh, stride_kt, stride_kh, stride_cst, stride_csw,
-                 stride_qot, stride_qoh, stride_kot, stride_koh, HALF_BLOCK: tl.constexpr):
+                 stride_qot, stride_qoh, stride_kot, stride_koh,
+                 v_ptr, slot_ptr, kc_ptr, vc_ptr, stride_vt, stride_vh, stride_kcs, stride_kch, stride_vcs, stride_vch,
+                 HALF_BLOCK: tl.constexpr, WRITE_KV: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     half = D // 2
@@ -116,8 +120,29 @@ def _rope_kernel(q_ptr, k_ptr, cs_ptr, q_out_ptr, k_out_ptr, HQ, D,
     s1 = tl.load(sin + offs, mask=mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin + half + offs, mask=mask, other=0.0).to(tl.float32)
     # rotate-half (HF Llama): [x1, x2] -> [x1 c1 - x2 s1, x2 c2 + x1 s2]
-    tl.store(dst + offs, (x1 * c1 - x2 * s1).to(q_out_ptr.dtype.element_ty), mask=mask)
-    tl.store(dst + half + offs, (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty), mask=mask)
+    y1 = (x1 * c1 - x2 * s1).to(q_out_ptr.dtype.element_ty)
+    y2 = (x2 * c2 + x1 * s2).to(q_out_ptr.dtype.element_ty)
+    if WRITE_KV:
+        if head < HQ:
+            tl.store(dst + offs, y1, mask=mask)
+            tl.store(dst + half + offs, y2, mask=mask)
+        else:
+            # k head h of this token: its roped K (rounded as k_out would be, then to the cache dtype, as
+            # write_kv's k.to(cache dtype)) and its V go to cache row `slot` (flattened [blocks*block_size])
+            kvh = head - HQ
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            kc = kc_ptr + slot * stride_kcs + kvh * stride_kch
+            tl.store(kc + offs, y1.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mask)
+            tl.store(kc + half + offs, y2.to(k_ptr.dtype.element_ty).to(kc_ptr.dtype.element_ty), mask=mask)
+            vs = v_ptr + tok * stride_vt + kvh * stride_vh
+            vc = vc_ptr + slot * stride_vcs + kvh * stride_vch
+            v1 = tl.load(vs + offs, mask=mask, other=0.0)
+            v2 = tl.load(vs + half + offs, mask=mask, other=0.0)
+            tl.store(vc + offs, v1.to(vc_ptr.dtype.element_ty), mask=mask)
+            tl.store(vc + half + offs, v2.to(vc_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dst + offs, y1, mask=mask)
+        tl.store(dst + half + offs, y2, mask=mask)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -159,9 +184,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return out.reshape(gate.shape)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, D] and k [T, Hkv, D] (any token/head strides, unit last stride) by
-    cos_sin [T, 2, D] (cos then sin, in q's dtype) in one launch -> new contiguous q, k."""
+def _check_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[int, int, int, int]:
     t, hq, d = q.shape
     hkv = k.shape[1]
     if k.shape != (t, hkv, d) or cos_sin.shape != (t, 2, d) or d % 2:
@@ -169,12 +192,51 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch
                          "need [T, H, D], [T, Hkv, D], [T, 2, D] with D even")
     if q.stride(2) != 1 or k.stride(2) != 1 or cos_sin.stride(2) != 1:
         raise ValueError("rope: head_dim must be the contiguous dimension of q, k and cos_sin")
+    return t, hq, hkv, d
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hkv, D] (any token/head strides, unit last stride) by
+    cos_sin [T, 2, D] (cos then sin, in q's dtype) in one launch -> new contiguous q, k."""
+    t, hq, hkv, d = _check_rope(q, k, cos_sin)
     q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
     k_out = torch.empty((t, hkv, d), dtype=k.dtype, device=k.device)
     if t:
         _rope_kernel[(t, hq + hkv)](
             q, k, cos_sin, q_out, k_out, hq, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
             cos_sin.stride(0), cos_sin.stride(1), q_out.stride(0), q_out.stride(1), k_out.stride(0),
-            k_out.stride(1), HALF_BLOCK=triton.next_power_of_2(d // 2), num_warps=1,
+            k_out.stride(1), q, q, q, q, 0, 0, 0, 0, 0, 0,  # no cache write: unused
+            HALF_BLOCK=triton.next_power_of_2(d // 2), WRITE_KV=False, num_warps=1,
         )
     return q_out, k_out
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """rope(q, k, cos_sin) with the rotated k and v [T, Hkv, D] written straight into the paged caches
+    [num_blocks, block_size, Hkv, D] at `slots` (Long[T], block * block_size + offset), in the same launch
+    -> the rotated q (new, contiguous). The caches get exactly the bits of `rope` followed by
+    `index_copy_` of k.to(cache dtype) and v.to(cache dtype) (write_kv): k heads are rounded as k_out
+    would be, then to the cache dtype. No host sync, allocates only q's output: CUDA-graph capturable.
+    Repeated slots (dummy tokens sent to one scratch slot) leave one of their writes, unspecified which,
+    as index_copy_ does."""
+    t, hq, hkv, d = _check_rope(q, k, cos_sin)
+    if v.shape != k.shape or v.stride(2) != 1:
+        raise ValueError(f"rope_write_kv: v {tuple(v.shape)} must be shaped as k {tuple(k.shape)}, head_dim contiguous")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != (hkv, d):
+        raise ValueError(f"rope_write_kv: caches {tuple(k_cache.shape)} / {tuple(v_cache.shape)} must both be "
+                         f"[num_blocks, block_size, {hkv}, {d}]")
+    if slots.shape != (t,) or slots.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"rope_write_kv: slots must be Long[{t}], got {slots.dtype}{list(slots.shape)}")
+    kc, vc = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)  # [slots, Hkv, D], as write_kv's view
+    if kc.stride(2) != 1 or vc.stride(2) != 1:
+        raise ValueError("rope_write_kv: head_dim must be the contiguous dimension of the caches")
+    q_out = torch.empty((t, hq, d), dtype=q.dtype, device=q.device)
+    if t:
+        _rope_kernel[(t, hq + hkv)](
+            q, k, cos_sin, q_out, q_out, hq, d, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+            cos_sin.stride(0), cos_sin.stride(1), q_out.stride(0), q_out.stride(1), 0, 0,  # no k_out
+            v, slots, kc, vc, v.stride(0), v.stride(1), kc.stride(0), kc.stride(1), vc.stride(0), vc.stride(1),
+            HALF_BLOCK=triton.next_power_of_2(d // 2), WRITE_KV=True, num_warps=1,
+        )
+    return q_out

@@ -92,8 +92,16 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
-        q, k = ops.rope(q, k, cos_sin)
-        out = backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
+        # RoPE that also writes K/V into the cache (one launch instead of rope + two index_copy_), when the
+        # ops offer it for these tensors and the backend accepts K/V already written
+        rope_write_kv = getattr(ops, "rope_write_kv", None) if getattr(backend, "kv_prewritten", False) else None
+        q_rot = None if rope_write_kv is None else rope_write_kv(q, k, v, cos_sin, k_cache, v_cache,
+                                                                 plan.slot_mapping)
+        if q_rot is not None:
+            out = backend.forward(q_rot, None, None, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
+        else:
+            q, k = ops.rope(q, k, cos_sin)
+            out = backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
         return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
 
 

@@ -141,3 +141,59 @@ def test_fused_ops_stay_close_to_torch_row_ops() -> None:
     assert (out[0] - out[1]).abs().max().item() < 0.05 * out[1].abs().max().item()
     del model, plain
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 37, MAX_BATCH])
+def test_rope_write_kv_equals_rope_then_write_kv(dtype: torch.dtype, t: int) -> None:
+    """Compiled: the fused K/V write leaves bitwise the q and caches (every slot) of rope + write_kv."""
+    from engine.attention.torch_backend import write_kv
+    from engine.kernels import triton_fused as tf
+
+    hq, hkv, num_blocks = 32, 8, 64
+    for d in (64, 128):
+        g = _gen(t + d)
+        qkv = torch.randn(t, (hq + 2 * hkv) * d, device=DEV, generator=g).to(dtype)
+        q, k, v = (x.view(t, -1, d) for x in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))
+        cos_sin = torch.randn(t, 2, d, device=DEV, generator=g).to(dtype)
+        k_cache = torch.randn(num_blocks, BS, hkv, d, device=DEV, generator=g).to(dtype)
+        v_cache = torch.randn(num_blocks, BS, hkv, d, device=DEV, generator=g).to(dtype)
+        slots = torch.randperm(num_blocks * BS, device=DEV, generator=g)[:t]
+        kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+        q_ref, k_ref = tf.rope(q, k, cos_sin)
+        write_kv(k_ref, v, kc_ref, vc_ref, slots)
+        q_out = tf.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
+        assert torch.equal(q_out, q_ref)
+        assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+
+
+def test_fused_kv_write_model_equals_backend_write_bitwise() -> None:
+    """The synthetic 8B shape (2 layers), bf16 prefill then decode on the triton backend: K/V written in the
+    RoPE launch (kv_prewritten) vs by write_kv in the backend give the same logits and caches."""
+    from engine.attention import triton_paged as tp
+    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+
+    class NotPrewritten(tp.TritonPagedAttention):
+        kv_prewritten = False
+
+    model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b", num_hidden_layers=2), torch.bfloat16, DEV,
+                                  seed=1, attention_backend="triton")
+    off = model.with_numerics(model.ops, NotPrewritten())
+    prefill = [RowSpec([2, 3, 4], 0, 40), RowSpec([5, 6], 0, 17)]
+    decode = [RowSpec([2, 3, 4], 40, 1), RowSpec([5, 6], 17, 1)]
+    ids = torch.randint(0, model.arch.vocab_size, (57,), device=DEV, generator=_gen(7))
+    step = torch.randint(0, model.arch.vocab_size, (2,), device=DEV, generator=_gen(8))
+    logits, caches = [], []
+    for m in (model, off):
+        kv = m.allocate_kv_cache(8, BS)
+        with torch.inference_mode():
+            a = m.compute_logits(m(ids, positions_of(prefill, DEV), build_metadata(PassKind.PREFILL, prefill, BS,
+                                                                                    DEV), kv))
+            b = m.compute_logits(m(step, positions_of(decode, DEV), build_metadata(PassKind.DECODE, decode, BS,
+                                                                                    DEV), kv))
+        logits.append(torch.cat([a, b]))
+        caches.append(torch.stack(kv.k + kv.v))
+    assert torch.isfinite(logits[0]).all()
+    assert torch.equal(logits[0], logits[1]) and torch.equal(caches[0], caches[1])
+    del model, off
+    torch.cuda.empty_cache()

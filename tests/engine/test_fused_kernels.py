@@ -161,3 +161,111 @@ def test_model_forward_through_fused_kernels_matches_torch_ops(
     # post-attention per layer, input of layers 1.., the final norm; q/k norms have none
     assert calls.count("add_rms_norm+residual") == 2 * layers
     assert calls.count("add_rms_norm") == 1 + (2 * layers if model.arch.qk_norm else 0)
+
+
+def _rope_write_case(dtype: torch.dtype, t: int, d: int, seed: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
+    """q, k, v (strided views of one qkv, GQA Hq = 4 Hkv), cos_sin, random k/v caches [7, 16, Hkv, D] (so an
+    untouched slot is checked too) and T distinct slots scattered over the blocks (the scratch block too)."""
+    hq, hkv, num_blocks, block_size = 8, 2, 7, 16
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k, v = (x.view(t, -1, d) for x in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))
+    angles = torch.rand(t, 1, d // 2, generator=g).double() * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).repeat(1, 1, 2).to(dtype)  # [T, 2, D]
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:t]  # Long[T], distinct
+    return q, k, v, cos_sin, k_cache, v_cache, slots
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: both sides round in the interpreter
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("t", [1, 37])
+def test_rope_write_kv_equals_rope_then_write_kv(tf: ModuleType, dtype: torch.dtype, d: int, t: int) -> None:
+    """The fused K/V write gives bitwise rope's q and the caches rope + write_kv leave, every slot."""
+    from engine.attention.torch_backend import write_kv
+
+    q, k, v, cos_sin, k_cache, v_cache, slots = _rope_write_case(dtype, t, d, seed=d + t)
+    kc_ref, vc_ref = k_cache.clone(), v_cache.clone()
+    q_ref, k_ref = tf.rope(q, k, cos_sin)
+    write_kv(k_ref, v, kc_ref, vc_ref, slots)
+    before = k_cache.clone()
+    q_out = tf.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
+    assert q_out.is_contiguous() and torch.equal(q_out, q_ref)
+    assert torch.equal(k_cache, kc_ref) and torch.equal(v_cache, vc_ref)
+    written = torch.zeros(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool)
+    written[slots] = True
+    changed = (k_cache != before).flatten(2).any(2).flatten()  # per slot
+    assert changed[written].all() and not changed[~written].any()  # the test really writes, only there
+    # int32 slots address the same rows
+    k2, v2 = before.clone(), torch.zeros_like(v_cache)
+    tf.rope_write_kv(q, k, v, cos_sin, k2, v2, slots.to(torch.int32))
+    assert torch.equal(k2, kc_ref) and torch.equal(v2.view(-1, *v2.shape[2:])[slots], v)
+
+
+def test_rope_write_kv_rejects_mismatched_caches_and_slots(tf: ModuleType) -> None:
+    q, k, v, cos_sin, k_cache, v_cache, slots = _rope_write_case(torch.float32, 3, 64, seed=0)
+    with pytest.raises(ValueError, match="caches"):
+        tf.rope_write_kv(q, k, v, cos_sin, k_cache[..., :32], v_cache[..., :32], slots)
+    with pytest.raises(ValueError, match="slots"):
+        tf.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots[:2])
+    with pytest.raises(ValueError, match="slots"):
+        tf.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots.float())
+    assert TorchOps().rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots) is None  # CPU: torch row ops
+    assert TorchOps(row_kernels="torch").rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots) is None
+
+
+def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny Llama on the triton backend (interpreted), prefill then decode: the fused K/V write (backend
+    kv_prewritten) gives the logits and KV cache bits of rope + write_kv in the backend."""
+    from engine.attention import triton_paged as tp
+    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+
+    class NotPrewritten(tp.TritonPagedAttention):
+        kv_prewritten = False
+
+    # the paged kernels' loops over loaded bounds need a scalar's __index__ in the interpreter (see
+    # test_canonical_decode._patch_interpreter_index); patched for this test only
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+    model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=3)
+    on = model.with_numerics(_InterpretedFusedOps(), tp.TritonPagedAttention())
+    off = model.with_numerics(_InterpretedFusedOps(), NotPrewritten())
+    counts = {"rope_write_kv": 0, "write_kv": 0}
+
+    def counted(name: str, fn: Callable[..., object]) -> Callable[..., object]:
+        def call(*args: object) -> object:
+            counts[name] += 1
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(tf, "rope_write_kv", counted("rope_write_kv", tf.rope_write_kv))
+    monkeypatch.setattr(tp, "write_kv", counted("write_kv", tp.write_kv))
+    tables = [[2, 3], [4, 5]]
+    prefill = [RowSpec(tables[0], 0, 19), RowSpec(tables[1], 0, 7)]
+    decode = [RowSpec(tables[0], 19, 1), RowSpec(tables[1], 7, 1)]
+    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(2))
+    step = torch.tensor([11, 12])
+    logits, caches = [], []
+    for m in (on, off):
+        kv = m.allocate_kv_cache(6, 16)
+        out = [m.compute_logits(m(ids, positions_of(prefill), build_metadata(PassKind.PREFILL, prefill, 16), kv))]
+        out.append(m.compute_logits(m(step, positions_of(decode), build_metadata(PassKind.DECODE, decode, 16), kv)))
+        logits.append(torch.cat(out))
+        caches.append(torch.stack(kv.k + kv.v))
+    layers = model.arch.num_layers
+    assert counts == {"rope_write_kv": 2 * layers, "write_kv": 2 * layers}  # on: fused only; off: write_kv only
+    assert torch.isfinite(logits[0]).all() and caches[0].abs().sum() > 0
+    assert torch.equal(logits[0], logits[1])
+    assert torch.equal(caches[0], caches[1])
