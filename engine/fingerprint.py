@@ -78,13 +78,17 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "sampler_impl": sampler_impl(device),
         "dtype": str(config.resolved_dtype).removeprefix("torch."),
     }
-    if config.mode == Mode.BATCH_INVARIANT:  # the split size and the kernel family fix the reduction order
-        fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
-        fp["batch_invariant_kernels"] = "triton" if device.type == "cuda" else f"torch-tiles-{TILE_ROWS}"
-        if device.type == "cuda":  # the GEMM's tile table (its bits were measured shape-independent)
-            from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
+    if config.mode == Mode.BATCH_INVARIANT and device.type == "cuda":
+        # the GEMM's tile table (its bits measured shape-independent), the paged kernels' tile shapes
+        from engine.attention.triton_paged import KERNEL_ID
+        from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
 
-            fp["bi_matmul"] = BI_MATMUL_ID
+        fp["batch_invariant_kernels"] = "triton-paged-canonical"
+        fp["bi_matmul"] = BI_MATMUL_ID
+        fp["attention_kernel"] = KERNEL_ID
+    elif config.mode == Mode.BATCH_INVARIANT:  # the split size and the tile kernels fix the reduction order
+        fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
+        fp["batch_invariant_kernels"] = f"torch-tiles-{TILE_ROWS}"
     if config.attention_backend == "triton":  # its tile shapes fix the prefill / verify reduction order
         from engine.attention.triton_paged import KERNEL_ID
 

@@ -1,17 +1,23 @@
-"""Attention for mode="batch_invariant": fixed-split-size paged attention for EVERY pass kind.
+"""Attention for mode="batch_invariant": every query's bits depend only on its position and the cache.
 
-Every query (prefill, decode, verify alike) reduces over its keys in absolute chunks of `split_size`
-keys combined in increasing order (engine.kernels.bi_paged_attention), so its bits depend only on its
-position and the cache contents. Prefill, chunked prefill and decode of the same tokens therefore give
-the same K/V and outputs bit for bit, whatever else is in the batch, and a preempted request
-recomputed by an ordinary prefill gets back exactly the KV it had.
+CUDA (backend "auto" / "triton"): the Triton paged kernels of engine.attention.triton_paged with
+decode="canonical" — prefill, chunked prefill and verify passes through the no-split kernel (each query
+reduced over its keys in absolute 64-key tiles in increasing order by one program: the "fixed split
+size" of SGLang's deterministic mode, taken to a whole row), decode queries through its GQA-packed
+one-query twin (engine.attention.triton_canonical_decode), which gives the same bits. So a token's K/V
+and output are the same whether it was computed in a prefill, a chunk of one, a decode step or a
+recompute after preemption, and whatever else is in the batch.
+
+CPU (or backend "tiles"): fixed-split-size attention for every pass kind — every query reduces over
+its keys in absolute chunks of `split_size` keys combined in increasing order
+(engine.kernels.bi_paged_attention), with the same guarantees.
 
 The plan does the index work once per forward (the kernels' `query_layout`); a DECODE plan is built
 from tensor shapes and device ops only (no host sync), so a decode step stays CUDA-graph capturable.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -31,9 +37,12 @@ class BatchInvariantPlan:
 
 
 class BatchInvariantAttention:
-    """The attention-backend seam (plan / forward) over the fixed-split-size kernels."""
+    """The attention-backend seam (plan / forward): Triton paged kernels on CUDA, fixed-split tiles elsewhere."""
 
     name = "batch_invariant"
+    # forward takes k = v = None on CUDA (K/V written by the ops' rope_write_kv, see TritonPagedAttention);
+    # on the tiles path the ops have no fused write, so k and v always come
+    kv_prewritten = True
 
     def __init__(self, split_size: int = DEFAULT_SPLIT_SIZE, backend: Backend = "auto") -> None:
         if split_size <= 0 or split_size & (split_size - 1):
@@ -41,8 +50,24 @@ class BatchInvariantAttention:
         if backend not in ("auto", "triton", "tiles"):
             raise ValueError(f"unknown backend {backend!r}; expected auto, triton or tiles")
         self.split_size, self.backend = split_size, backend
+        self._triton: object | None = None  # the CUDA backend, made on first use
 
-    def plan(self, meta: AttentionMetadata, block_size: int) -> BatchInvariantPlan:
+    def _paged(self, device: torch.device) -> object | None:
+        """The Triton paged backend (decode="canonical") this object runs on `device`, or None (tiles)."""
+        if self.backend == "triton" and device.type != "cuda":
+            raise ValueError(f"backend='triton' needs CUDA tensors, got device {device}")
+        if self.backend == "tiles" or device.type != "cuda":
+            return None
+        if self._triton is None:
+            from engine.attention.triton_paged import TritonPagedAttention
+
+            self._triton = TritonPagedAttention(decode="canonical")
+        return self._triton
+
+    def plan(self, meta: AttentionMetadata, block_size: int) -> object:
+        paged = self._paged(meta.seq_lens.device)
+        if paged is not None:
+            return paged.plan(replace(meta, canonical_rows=None), block_size)
         num_tokens = meta.num_tokens
         # None: query_layout's one-query-per-row layout, built without a host sync (CUDA-graph capturable)
         decode = meta.kind is PassKind.DECODE and num_tokens == meta.num_rows
@@ -53,20 +78,20 @@ class BatchInvariantAttention:
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D]; None with v on CUDA: already in the cache (kv_prewritten)
+        v: torch.Tensor | None,
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
-        plan: BatchInvariantPlan,
+        plan: object,
         scale: float,
     ) -> torch.Tensor:  # [T, Hq, D]
+        if not isinstance(plan, BatchInvariantPlan):  # a TritonPlan: the CUDA kernels
+            assert self._triton is not None
+            return self._triton.forward(q, k, v, k_cache, v_cache, plan, scale)
+        if k is None or v is None:
+            raise ValueError("the tiles path writes K/V itself: pass k and v")
         write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         check_shapes(q, k_cache, v_cache, plan.block_tables)
-        if self.backend == "tiles" or (self.backend == "auto" and not q.is_cuda):
-            return tile_paged_attention(q, k_cache, v_cache, plan.block_tables, plan.rows, plan.positions, scale,
-                                        self.split_size)
-        from engine.kernels.triton_attention import triton_paged_attention
-
-        return triton_paged_attention(q, k_cache, v_cache, plan.block_tables, plan.rows, plan.positions, scale,
-                                      self.split_size, plan.max_seq_len - 1)
+        return tile_paged_attention(q, k_cache, v_cache, plan.block_tables, plan.rows, plan.positions, scale,
+                                    self.split_size)

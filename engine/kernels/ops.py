@@ -23,10 +23,15 @@ elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it
 forces torch everywhere (A/B). On that Triton path TorchOps also offers `rope_write_kv` (see Ops): RoPE that
 writes K and V into the paged KV cache itself, saving the two index_copy_ launches of write_kv per layer.
 
-Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode the backend
-should call `engine.kernels.bi_paged_attention` for EVERY pass kind (prefill, decode): a query's bits
-there depend only on its absolute position and the cache, so chunked prefill, decode and a prefill of
-the same tokens agree bitwise, whatever the batch.
+BatchInvariantOps on CUDA: the Triton GEMM of triton_matmul (no split-K, tile shape by batch bucket, its
+bits checked shape-independent), triton_fused's row kernels (batch invariant by construction) and
+triton_rows' log-softmax; on the CPU the fixed-shape torch tiles.
+
+Attention is not in here (it belongs to the attention backend). In `batch_invariant` mode a query's
+bits must depend only on its absolute position and the cache, for EVERY pass kind, so that chunked
+prefill, decode and a prefill of the same tokens agree bitwise whatever the batch
+(engine.attention.batch_invariant: the Triton paged kernels with canonical decode on CUDA,
+`engine.kernels.bi_paged_attention` tiles elsewhere).
 """
 
 from __future__ import annotations
@@ -171,12 +176,18 @@ class BatchInvariantOps:
         rows = x.reshape(-1, x.shape[-1])
         return triton_linear(rows, weight, bias).reshape(*x.shape[:-1], weight.shape[0])
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def _fused(self, x: torch.Tensor) -> ModuleType | None:
+        """engine.kernels.triton_fused where this object runs Triton (its row kernels are batch invariant
+        by construction: one row per program, block sizes from the row width), else None (tiles)."""
         if not self._use_triton(x):
-            return tiles.tile_rms_norm(x, weight, eps)
-        from engine.kernels.triton_rows import triton_rms_norm
+            return None
+        from engine.kernels import triton_fused
 
-        return triton_rms_norm(x, weight, eps)
+        return triton_fused
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        fused = self._fused(x)
+        return tiles.tile_rms_norm(x, weight, eps) if fused is None else fused.rms_norm(x, weight, eps)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         if not self._use_triton(x):
@@ -186,20 +197,29 @@ class BatchInvariantOps:
         return triton_log_softmax(x)
 
     def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        if not self._use_triton(gate):
-            return tiles.tile_silu_mul(gate, up)
-        from engine.kernels.triton_rows import triton_silu_mul
-
-        return triton_silu_mul(gate, up)
+        fused = self._fused(gate)
+        return tiles.tile_silu_mul(gate, up) if fused is None else fused.silu_mul(gate, up)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add is one IEEE add per element (invariant anywhere); the norm is this object's."""
-        return torch_add_rms_norm(self, x, residual, weight, eps)
+        """The residual add is one IEEE add per element (invariant anywhere); the norm is this object's
+        (on CUDA both in the one fused row kernel)."""
+        fused = self._fused(x)
+        if fused is None:
+            return torch_add_rms_norm(self, x, residual, weight, eps)
+        return fused.add_rms_norm(x, residual, weight, eps)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elementwise torch ops of exact IEEE multiplies and adds: the same bits in any position."""
-        return torch_rope(q, k, cos_sin)
+        """Elementwise multiplies and adds (torch on tiles, one Triton launch on CUDA): the same bits in any
+        position."""
+        fused = self._fused(q)
+        return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
+
+    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """As TorchOps.rope_write_kv (the optional Ops method): the Triton launch on CUDA, None on tiles."""
+        fused = self._fused(q)
+        return None if fused is None else fused.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
 
 
 def bi_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -237,3 +237,27 @@ def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
         assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
         for r, flagged in enumerate(flags):
             assert torch.equal(out[r], (canonical if flagged else split)[r]), f"mask {flags}, row {r}"
+
+
+@pytest.mark.parametrize("shape", GPU_SHAPES + [(64, 1, 128, 16), (8, 8, 64, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_packed_canonical_decode_is_used_and_equals_the_prefill_kernel(
+        shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
+    """The GQA-packed one-query kernel gives the prefill kernel's bits on this GPU (so the backend uses
+    it: use_packed), for queries at every MMA row index of the prefill tile and across many key tiles."""
+    from engine.attention import triton_canonical_decode as packed
+    from engine.attention import triton_paged as tp
+
+    h, hkv, d, bs = shape
+    lens = list(range(1, 130)) + GPU_LENS
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, "cuda", seed=21, spare_blocks=2)
+    assert packed.use_packed(case["q"], case["k_cache"])
+    scale = d ** -0.5
+    ref = tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], case["query_start_loc"],
+                               case["seq_lens"], case["block_tables"], scale, 1)
+    got = packed.canonical_decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],
+                                            case["block_tables"], scale)
+    bad = [lens[r] for r in range(len(lens)) if not torch.equal(ref[r], got[r])]
+    assert not bad, f"rows of these lengths differ: {bad[:20]}"

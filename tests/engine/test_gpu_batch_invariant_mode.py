@@ -96,4 +96,12 @@ def test_runs_triton_kernels(make_llm: Any) -> None:
     model = llm.core.runner.model
     assert model.ops.name == BI and model.attention.name == BI and model.device.type == "cuda"
     fp = runtime_fingerprint(llm.config)
-    assert fp["batch_invariant_kernels"] == "triton" and fp["attention_split_size"] == model.attention.split_size
+    assert fp["batch_invariant_kernels"] == "triton-paged-canonical" and "attention_split_size" not in fp
+    assert fp["attention_kernel"].startswith("triton-paged") and fp["bi_matmul"].startswith("verbatim-bi-matmul")
+    from engine.attention.metadata import AttentionMetadata, PassKind
+    from engine.attention.triton_paged import TritonPlan
+
+    one = torch.ones(1, dtype=torch.int32, device="cuda")
+    meta = AttentionMetadata(PassKind.DECODE, one.long(), torch.tensor([0, 1], dtype=torch.int32, device="cuda"),
+                             one, one[:, None])
+    assert isinstance(model.attention.plan(meta, 16), TritonPlan)  # the paged kernels, canonical decode

@@ -1,0 +1,154 @@
+"""Canonical decode attention, GQA-packed: the prefill/verify kernel's bits for one-query rows, faster.
+
+A canonical decode row (a DVR row of a decode step, every row under mode="batch_invariant" or
+decode="canonical") must get exactly the bits `triton_paged._prefill_kernel` gives its query. That
+kernel runs one program per (row, query head) with a [BLOCK_M, BLOCK_N] = [64, 64] tile of which one
+MMA row is live, so a GQA group's K/V tiles are read once per query head and the grid is R x Hq.
+
+Here one program per (row, KV head) puts the GROUP query heads of that KV head in MMA rows 0..GROUP-1
+of the same [64, 64] tile shape (same warps, stages, key tiles in the same absolute order, the same
+online-softmax expressions), so each K/V tile is read once per group and the grid is R x Hkv. A live
+row's arithmetic is the prefill kernel's: the two differ only in which MMA row holds the query, and
+an MMA row's result does not depend on its index or on the other rows. That is a property of the
+hardware, so it is checked, not assumed: `packed_matches_prefill` compares the two kernels once per
+device and dtype, and the backend uses this kernel only where they agree bitwise (tests compare them too).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import triton_paged as tp
+
+_CHECKED: dict[tuple[str, torch.dtype], bool] = {}
+
+
+@triton.jit
+def _canonical_decode_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr,
+    seq_lens_ptr, bt_ptr, row_mask_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ot, stride_oh,
+    stride_bt, table_cols,
+    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr,
+):
+    r = tl.program_id(0)
+    if HAS_ROW_MASK:  # only flagged rows run; the others keep the split-KV output
+        if tl.load(row_mask_ptr + r) == 0:
+            return
+    kvh = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + r)
+    mrow = tl.arange(0, BLOCK_M)                            # MMA row i < GROUP: query head kvh*GROUP + i
+    live = mrow < GROUP
+    heads = kvh * GROUP + mrow
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    pos = seq_len - 1                                        # every live row's query position
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
+    for kt in range(0, num_tiles):
+        kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = kpos < seq_len
+        col = kpos // BLOCK_SIZE
+        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+        blk = blk.to(tl.int64)
+        off = kpos % BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        # the prefill kernel's expressions, with every row's query at position `pos`
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_mask[None, :])
+
+
+def canonical_decode_attention(
+    q: torch.Tensor,                  # [R, Hq, D]: one query per row, at position seq_lens[r] - 1
+    k_cache: torch.Tensor,            # [num_blocks, block_size, Hkv, D] (this step's K/V already written)
+    v_cache: torch.Tensor,
+    seq_lens: torch.Tensor,           # Int[R]
+    block_tables: torch.Tensor,       # Int[R, max_blocks]
+    scale: float,
+    out: torch.Tensor | None = None,
+    only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
+) -> torch.Tensor:
+    """The prefill kernel's output for each row's one query, one program per (row, KV head)."""
+    block_size, num_kv_heads, group = tp._check_cache(q, k_cache, v_cache)
+    if group > tp.PREFILL_BLOCK_M:
+        raise ValueError(f"GQA group {group} does not fit a {tp.PREFILL_BLOCK_M}-row tile")
+    num_rows = seq_lens.shape[0]
+    out = torch.empty_like(q) if out is None else out
+    head_dim = q.shape[2]
+    only_rows = tp._row_mask(only_rows, num_rows)
+    _canonical_decode_kernel[(num_rows, num_kv_heads)](
+        q, k_cache, v_cache, out,
+        seq_lens, block_tables, only_rows,
+        scale * tp._LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0), block_tables.shape[1],
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp._next_pow2(head_dim)),
+        BLOCK_M=tp.PREFILL_BLOCK_M, BLOCK_N=tp.PREFILL_BLOCK_N, DOT_PRECISION=tp._dot_precision(q),
+        HAS_ROW_MASK=only_rows is not None,
+        num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
+    )
+    return out
+
+
+def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+    """Whether this kernel gives the prefill kernel's bits here (once per device, dtype, group, head_dim):
+    random cache, 3 KV heads, rows whose queries sit at every MMA row index of the prefill tile and past
+    one key tile. Never called under CUDA-graph capture (it syncs): see `use_packed`."""
+    key = (str(device), dtype, group, head_dim)
+    if key not in _CHECKED:
+        g = torch.Generator(device="cpu").manual_seed(20261129)
+        hkv, bs = 3, 16
+        lens = list(range(1, 66)) + [127, 128, 129, 200]
+        nb = -(-max(lens) // bs)
+        k_cache = torch.randn(len(lens) * nb + 1, bs, hkv, head_dim, generator=g).to(dtype).to(device)
+        v_cache = torch.randn(len(lens) * nb + 1, bs, hkv, head_dim, generator=g).to(dtype).to(device)
+        q = torch.randn(len(lens), hkv * group, head_dim, generator=g).to(dtype).to(device)
+        tables = (1 + torch.randperm(len(lens) * nb, generator=g)).view(len(lens), nb).to(torch.int32).to(device)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
+        qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
+        ref = tp.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, head_dim**-0.5, 1)
+        got = canonical_decode_attention(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5)
+        _CHECKED[key] = bool(torch.equal(ref, got))
+    return _CHECKED[key]
+
+
+def use_packed(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """The packed kernel where it is checked equal to the prefill kernel; the prefill kernel otherwise
+    (also under a CUDA-graph capture on a device not yet checked: both give the prefill kernel's bits)."""
+    group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
+    if group > tp.PREFILL_BLOCK_M:
+        return False
+    key = (str(q.device), q.dtype, group, head_dim)
+    if key not in _CHECKED and q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return packed_matches_prefill(q.device, q.dtype, group, head_dim)
