@@ -22,9 +22,11 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
 
-* Canonical decode rows (`AttentionMetadata.canonical_rows`, the DVR rows of a DECODE pass): the
-  split kernels skip the flagged rows, then `prefill_attention` runs over the same rows with
-  `only_rows`, where the programs of unflagged rows return before any work. A flagged row thus gets
+* Canonical decode rows (`AttentionMetadata.canonical_rows`, the DVR rows of a DECODE pass; every row
+  with decode="canonical"): the split kernels skip the flagged rows, then the prefill kernel's numerics
+  run over the same rows with `only_rows`, where the programs of unflagged rows return before any work
+  — as its GQA-packed one-query twin (engine.attention.triton_canonical_decode: one program per row and
+  KV head instead of per row and query head, checked bitwise equal on the device) or the prefill kernel. A flagged row thus gets
   bitwise the verifier's output for its position (a 1-query row is a window like any other), an
   unflagged row the split-KV output, and both launches have static grids (CUDA-graph capturable).
 
@@ -203,6 +205,19 @@ def decode_attention(
     return out
 
 
+def _canonical_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
+                      scale: float, out: torch.Tensor, only_rows: torch.Tensor | None) -> torch.Tensor:
+    """One-query rows with the prefill kernel's bits: its GQA-packed twin where that is checked to give
+    them on this device (engine.attention.triton_canonical_decode), the prefill kernel itself otherwise."""
+    from engine.attention import triton_canonical_decode as packed
+
+    if packed.use_packed(q, k_cache):
+        return packed.canonical_decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                                                 out=out, only_rows=only_rows)
+    return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
+                             scale, 1, out=out, only_rows=only_rows)
+
+
 @dataclass(frozen=True)
 class TritonPlan:
     """Per-forward launch parameters, shared by every layer; built without a host sync for DECODE/VERIFY."""
@@ -215,6 +230,7 @@ class TritonPlan:
     max_query_len: int
     one_query_per_row: bool        # DECODE with T == R: the split-KV decode kernel
     canonical_rows: torch.Tensor | None = None  # Int32[R] with one_query_per_row: 1 = the prefill kernel
+    canonical_decode: bool = False  # decode="canonical", DECODE with T == R: every row the prefill kernel's bits
 
 
 class TritonPagedAttention:
@@ -258,7 +274,8 @@ class TritonPagedAttention:
         # decode="canonical" already sends every decode row through the prefill kernel
         canonical = _row_mask(meta.canonical_rows, num_rows) if one_per_row else None
         return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
-                          meta.block_tables, max_q, one_per_row, canonical)
+                          meta.block_tables, max_q, one_per_row, canonical,
+                          canonical_decode=decode_shape and self.decode == "canonical")
 
     def workspace(self, num_rows: int, num_heads: int, head_dim: int, num_splits: int,
                   device: torch.device) -> DecodeWorkspace:
@@ -292,8 +309,9 @@ class TritonPagedAttention:
             out = decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
                                    workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows)
             if plan.canonical_rows is not None:
-                prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
-                                  scale, 1, out=out, only_rows=plan.canonical_rows)
+                _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
             return out
+        if plan.canonical_decode:
+            return _canonical_decode(q, k_cache, v_cache, plan, scale, torch.empty_like(q), None)
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                                  scale, plan.max_query_len)
