@@ -21,6 +21,9 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   (usable by the `batch_invariant` mode). The grid's split count is static (from the block-table
   width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
+  By default the merge is fused into the split kernel (one launch): each program counts itself done on a
+  per-(row, KV head) counter of the workspace (atomic, acq_rel) and the last one merges the group's heads
+  with the merge kernel's arithmetic; merge="kernel" keeps the separate merge launch (same bits).
 
 * Canonical decode rows (`AttentionMetadata.canonical_rows`, the DVR rows of a DECODE pass; every row
   with decode="canonical"): the split kernels skip the flagged rows, then the prefill kernel's numerics
@@ -148,6 +151,9 @@ class DecodeWorkspace:
         self.num_splits = num_splits
         self.mid_o = torch.empty(max_rows, num_heads, num_splits, head_dim, dtype=torch.float32, device=device)
         self.mid_lse = torch.empty(max_rows, num_heads, num_splits, dtype=torch.float32, device=device)
+        # merge="fused": per (row, KV head) the split programs that finished; zero between launches (the
+        # merging program resets its own)
+        self.done = torch.zeros(max_rows, num_heads, dtype=torch.int32, device=device)
 
 
 def decode_attention(
@@ -161,9 +167,15 @@ def decode_attention(
     out: torch.Tensor | None = None,
     split_size: int = DECODE_SPLIT_SIZE,
     skip_rows: torch.Tensor | None = None,  # Int32[R]: rows with nonzero are skipped, their `out` untouched
+    merge: str = "fused",
 ) -> torch.Tensor:
-    """Split-KV decode attention with a fixed split size (module doc). Allocation-free with a workspace."""
+    """Split-KV decode attention with a fixed split size (module doc). Allocation-free with a workspace.
+
+    merge="fused": the last split program of each (row, KV head) merges its heads (one launch);
+    "kernel": a separate merge kernel (two launches). The same arithmetic in the same order: the same bits."""
     triton, _, split_kernel, merge_kernel = _kernels()
+    if merge not in ("fused", "kernel"):
+        raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     if split_size % DECODE_BLOCK_N:
         raise ValueError(f"split_size {split_size} must be a multiple of {DECODE_BLOCK_N}")
     block_size, num_kv_heads, group = _check_cache(q, k_cache, v_cache)
@@ -189,11 +201,15 @@ def decode_attention(
         block_tables.stride(0), block_tables.shape[1],
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        out, workspace.done, out.stride(0), out.stride(1), workspace.done.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
         DOT_PRECISION=_dot_precision(q), HAS_ROW_MASK=skip_rows is not None,
+        NUM_SPLITS=num_splits, FUSED_MERGE=merge == "fused", MERGE_PAD=_next_pow2(group),
         num_warps=4, num_stages=2,
     )
+    if merge == "fused":
+        return out
     merge_kernel[(num_rows, num_heads)](
         mid_o, mid_lse, out, skip_rows,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
@@ -247,13 +263,15 @@ class TritonPagedAttention:
     # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
     kv_prewritten = True
 
-    def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split") -> None:
+    def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split", merge: str = "fused") -> None:
         """decode="split": the split-KV decode kernel (fast), except for the rows a DECODE pass flags in
         `canonical_rows`; "canonical": every decode query goes through the prefill/verify kernel, so the
-        fast path's attention numerics equal the verifier's."""
+        fast path's attention numerics equal the verifier's. merge: decode_attention's (same bits either way)."""
         if decode not in ("split", "canonical"):
             raise ValueError(f"decode must be 'split' or 'canonical', got {decode!r}")
-        self.split_size, self.decode = split_size, decode
+        if merge not in ("fused", "kernel"):
+            raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
+        self.split_size, self.decode, self.merge = split_size, decode, merge
         self._workspaces: dict[tuple, DecodeWorkspace] = {}
         self._retired: list[DecodeWorkspace] = []
 
@@ -307,7 +325,8 @@ class TritonPagedAttention:
             splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
             ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
             out = decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                   workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows)
+                                   workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows,
+                                   merge=self.merge)
             if plan.canonical_rows is not None:
                 _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
             return out

@@ -86,10 +86,11 @@ def _decode_split_kernel(
     stride_bt, table_cols,
     stride_mo_t, stride_mo_h, stride_mo_s,
     stride_ml_t, stride_ml_h,
+    o_ptr, cnt_ptr, stride_ot, stride_oh, stride_cnt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ROW_MASK: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_PAD: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_ROW_MASK:  # a canonical row: the prefill kernel computes it instead
@@ -135,6 +136,41 @@ def _decode_split_kernel(
     tl.store(mid_o_ptr + r * stride_mo_t + heads[:, None] * stride_mo_h + sp * stride_mo_s
              + offs_d[None, :], out, mask=h_valid[:, None] & d_mask[None, :])
     tl.store(mid_lse_ptr + r * stride_ml_t + heads * stride_ml_h + sp, lse, mask=h_valid)
+    if FUSED_MERGE:
+        # The last of the row's NUM_SPLITS programs of this KV head to finish merges the GROUP heads.
+        # Ordering on the GPU (CUTLASS's semaphore pattern): the CTA barrier puts every thread's mid stores
+        # before the atomic, a cumulative release at gpu scope; the merging program's atomic acquires every
+        # other program's increment (a release sequence on the counter), and the barrier after it puts that
+        # acquire before its threads' loads, which also bypass L1 (.cg). No program ever waits on another.
+        tl.debug_barrier()
+        cnt = cnt_ptr + r * stride_cnt + kvh
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")  # programs of this (row, KV head) done before
+        if done == NUM_SPLITS - 1:
+            tl.debug_barrier()
+            # _decode_merge_kernel's arithmetic on all GROUP heads at once ([MP, BD]; m, l per head broadcast
+            # over D as there): a skipped split (lse = -inf) keeps m, l, acc by a select instead of a branch,
+            # so every head gets the merge kernel's bits
+            mheads = kvh * GROUP + tl.arange(0, MERGE_PAD)
+            mh_valid = tl.arange(0, MERGE_PAD) < GROUP
+            m = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
+            l = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
+            acc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
+            for j in range(0, NUM_SPLITS):  # fixed increasing order
+                lse_s = tl.load(mid_lse_ptr + r * stride_ml_t + mheads * stride_ml_h + j, mask=mh_valid,
+                                other=float("-inf"), cache_modifier=".cg")
+                ok = (lse_s > float("-inf"))[:, None]
+                lse_b = lse_s[:, None]
+                o = tl.load(mid_o_ptr + r * stride_mo_t + mheads[:, None] * stride_mo_h + j * stride_mo_s
+                            + offs_d[None, :], mask=ok & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                m_new = tl.maximum(m, lse_b)
+                alpha = tl.exp2(m - m_new)
+                w = tl.exp2(lse_b - m_new)
+                acc = tl.where(ok, acc * alpha + o * w, acc)
+                l = tl.where(ok, l * alpha + w, l)
+                m = tl.where(ok, m_new, m)
+            tl.store(o_ptr + r * stride_ot + mheads[:, None] * stride_oh + offs_d[None, :],
+                     (acc / l).to(o_ptr.dtype.element_ty), mask=mh_valid[:, None] & d_mask[None, :])
+            tl.store(cnt, 0)  # every program of this launch has counted: ready for the next launch
 
 @triton.jit
 def _decode_merge_kernel(

@@ -163,6 +163,21 @@ def test_model_forward_through_fused_kernels_matches_torch_ops(
     assert calls.count("add_rms_norm") == 1 + (2 * layers if model.arch.qk_norm else 0)
 
 
+@pytest.fixture
+def paged_loops(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paged attention kernels' loops over loaded bounds need a scalar's __index__ in the interpreter
+    (see test_canonical_decode._patch_interpreter_index); patched for one test."""
+    from triton.runtime import interpreter
+
+    patch = interpreter._patch_lang_tensor
+
+    def patched(tensor: object, scope: object) -> None:
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
+
+
 def _rope_write_case(dtype: torch.dtype, t: int, d: int, seed: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]:
@@ -217,7 +232,8 @@ def test_rope_write_kv_rejects_mismatched_caches_and_slots(tf: ModuleType) -> No
     assert TorchOps(row_kernels="torch").rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots) is None
 
 
-def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, paged_loops: None,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Llama on the triton backend (interpreted), prefill then decode: the fused K/V write (backend
     kv_prewritten) gives the logits and KV cache bits of rope + write_kv in the backend."""
     from engine.attention import triton_paged as tp
@@ -226,17 +242,6 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, mon
     class NotPrewritten(tp.TritonPagedAttention):
         kv_prewritten = False
 
-    # the paged kernels' loops over loaded bounds need a scalar's __index__ in the interpreter (see
-    # test_canonical_decode._patch_interpreter_index); patched for this test only
-    from triton.runtime import interpreter
-
-    patch = interpreter._patch_lang_tensor
-
-    def patched(tensor: object, scope: object) -> None:
-        patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))  # type: ignore[attr-defined]
-
-    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
     model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=3)
     on = model.with_numerics(_InterpretedFusedOps(), tp.TritonPagedAttention())
@@ -269,3 +274,34 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, mon
     assert torch.isfinite(logits[0]).all() and caches[0].abs().sum() > 0
     assert torch.equal(logits[0], logits[1])
     assert torch.equal(caches[0], caches[1])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log2(0) of an empty split, masked after
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_fused_merge_equals_merge_kernel(paged_loops: None, dtype: torch.dtype, group: int) -> None:
+    """The split kernel's fused merge (last split program of a (row, KV head) merges) gives bitwise the
+    separate merge kernel's output, with skipped rows, rows of 1..4 splits (some empty), twice in a row on one
+    workspace (the counters come back to zero)."""
+    from engine.attention import triton_paged as tp
+    from tests.engine.gpu_reference import make_paged_case
+
+    hkv, d, bs, split = 2, 64, 16, 64
+    lens = [70, 9, 200, 64, 130]
+    case = make_paged_case(lens, [1] * len(lens), group * hkv, hkv, d, bs, dtype, "cpu", seed=group, spare_blocks=2)
+    args = (case["q"], case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"], d ** -0.5)
+    splits = tp.decode_num_splits(case["block_tables"].shape[1] * bs, split)
+    assert splits == 4  # rows use 1, 2, 3 or all 4 of them: empty trailing splits in most rows
+    skip = torch.tensor([0, 1, 0, 0, 1], dtype=torch.int32)
+    for skip_rows in (None, skip):
+        ws = tp.DecodeWorkspace(len(lens), group * hkv, d, splits, "cpu")
+        ref = tp.decode_attention(*args, split_size=split, skip_rows=skip_rows, merge="kernel",
+                                  out=torch.full_like(case["q"], float("nan")))
+        for _ in range(2):
+            fused = tp.decode_attention(*args, workspace=ws, split_size=split, skip_rows=skip_rows,
+                                        out=torch.full_like(case["q"], float("nan")))
+            assert torch.equal(fused.isnan(), ref.isnan()) and torch.equal(fused.nan_to_num(), ref.nan_to_num())
+            assert not ws.done.any()
+        assert ref.isnan().any() == (skip_rows is not None)  # skipped rows untouched by both
+    with pytest.raises(ValueError, match="merge"):
+        tp.decode_attention(*args, merge="both")
