@@ -50,7 +50,8 @@ RowKernels = Literal["auto", "torch"]
 
 
 class Ops(Protocol):
-    """The ops every implementation has. One more is optional (look it up with getattr; only TorchOps has it):
+    """The ops every implementation has. One more is optional (look it up with getattr; TorchOps and
+    BatchInvariantOps have it):
 
         rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots) -> q | None
 
