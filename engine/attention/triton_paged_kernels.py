@@ -147,29 +147,29 @@ def _decode_split_kernel(
         done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")  # programs of this (row, KV head) done before
         if done == NUM_SPLITS - 1:
             tl.debug_barrier()
-            # _decode_merge_kernel's arithmetic on all GROUP heads at once ([MP, BD]; m, l per head broadcast
-            # over D as there): a skipped split (lse = -inf) keeps m, l, acc by a select instead of a branch,
+            # _decode_merge_kernel's arithmetic on all GROUP heads at once ([MP, BD]; mg, ml per head broadcast
+            # over D as there): a skipped split (lse = -inf) keeps mg, ml, macc by a select instead of a branch,
             # so every head gets the merge kernel's bits
             mheads = kvh * GROUP + tl.arange(0, MERGE_PAD)
             mh_valid = tl.arange(0, MERGE_PAD) < GROUP
-            m = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
-            l = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
-            acc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
+            mg = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
+            ml = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
+            macc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
             for j in range(0, NUM_SPLITS):  # fixed increasing order
                 lse_s = tl.load(mid_lse_ptr + r * stride_ml_t + mheads * stride_ml_h + j, mask=mh_valid,
                                 other=float("-inf"), cache_modifier=".cg")
                 ok = (lse_s > float("-inf"))[:, None]
                 lse_b = lse_s[:, None]
-                o = tl.load(mid_o_ptr + r * stride_mo_t + mheads[:, None] * stride_mo_h + j * stride_mo_s
-                            + offs_d[None, :], mask=ok & d_mask[None, :], other=0.0, cache_modifier=".cg")
-                m_new = tl.maximum(m, lse_b)
-                alpha = tl.exp2(m - m_new)
-                w = tl.exp2(lse_b - m_new)
-                acc = tl.where(ok, acc * alpha + o * w, acc)
-                l = tl.where(ok, l * alpha + w, l)
-                m = tl.where(ok, m_new, m)
+                mo = tl.load(mid_o_ptr + r * stride_mo_t + mheads[:, None] * stride_mo_h + j * stride_mo_s
+                             + offs_d[None, :], mask=ok & d_mask[None, :], other=0.0, cache_modifier=".cg")
+                mg_new = tl.maximum(mg, lse_b)
+                malpha = tl.exp2(mg - mg_new)
+                mw = tl.exp2(lse_b - mg_new)
+                macc = tl.where(ok, macc * malpha + mo * mw, macc)
+                ml = tl.where(ok, ml * malpha + mw, ml)
+                mg = tl.where(ok, mg_new, mg)
             tl.store(o_ptr + r * stride_ot + mheads[:, None] * stride_oh + offs_d[None, :],
-                     (acc / l).to(o_ptr.dtype.element_ty), mask=mh_valid[:, None] & d_mask[None, :])
+                     (macc / ml).to(o_ptr.dtype.element_ty), mask=mh_valid[:, None] & d_mask[None, :])
             tl.store(cnt, 0)  # every program of this launch has counted: ready for the next launch
 
 @triton.jit
