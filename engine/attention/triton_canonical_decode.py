@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.attention import triton_paged as tp
+from engine.attention.triton_paged_kernels import merge_chunk
 
 _CHECKED: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -28,22 +29,28 @@ _CHECKED: dict[tuple[str, torch.dtype], bool] = {}
 def _canonical_decode_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     seq_lens_ptr, bt_ptr, row_mask_ptr,
+    mid_m_ptr, mid_l_ptr, mid_acc_ptr, cnt_ptr,
     qk_scale,
     stride_qt, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh,
     stride_bt, table_cols,
+    stride_ml_t, stride_ml_h, stride_ma_t, stride_ma_h, stride_ma_c, stride_cnt,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ROW_MASK: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_ROW_MASK:  # only flagged rows run; the others keep the split-KV output
         if tl.load(row_mask_ptr + r) == 0:
             return
     kvh = tl.program_id(1)
+    c = tl.program_id(2)                                     # this program's key chunk
     seq_len = tl.load(seq_lens_ptr + r)
+    n_chunks = tl.cdiv(seq_len, CHUNK)
+    if c >= n_chunks:  # past the row's keys: no work, not counted
+        return
     mrow = tl.arange(0, BLOCK_M)                            # MMA row i < GROUP: query head kvh*GROUP + i
     live = mrow < GROUP
     heads = kvh * GROUP + mrow
@@ -52,12 +59,14 @@ def _canonical_decode_kernel(
     q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                 mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
+    # the prefill kernel's chunk loop body, with every live row's query at position `pos`
+    tiles_per_chunk: tl.constexpr = CHUNK // BLOCK_N
+    pos = seq_len - 1
+    num_tiles = tl.cdiv(seq_len, BLOCK_N)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    pos = seq_len - 1                                        # every live row's query position
-    num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    for kt in range(0, num_tiles):
+    for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
         kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         k_valid = kpos < seq_len
         col = kpos // BLOCK_SIZE
@@ -69,7 +78,6 @@ def _canonical_decode_kernel(
                     + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
                     + offs_d[None, :], mask=kv_mask, other=0.0)
-        # the prefill kernel's expressions, with every row's query at position `pos`
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
         s = tl.where(causal, s, float("-inf"))
@@ -80,9 +88,72 @@ def _canonical_decode_kernel(
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_mask[None, :])
+    out_mask = live[:, None] & d_mask[None, :]
+    if n_chunks == 1:  # the whole row in this program: merge into the empty total, as the prefill kernel
+        m_run, l_run, acc_run = merge_chunk(tl.full([BLOCK_M], float("-inf"), tl.float32),
+                                            tl.zeros([BLOCK_M], tl.float32),
+                                            tl.zeros([BLOCK_M, BLOCK_D], tl.float32), m_i, l_i, acc)
+        out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+        tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # park this chunk's (max, sum, acc); the last of the row's chunk programs (per KV head) merges them
+        # in increasing chunk order. Ordering (CUTLASS's semaphore pattern): the barrier puts every thread's
+        # stores before the acq_rel atomic; the merging program's barrier after its atomic puts the acquire
+        # before its loads, which bypass L1 (.cg). No program waits on another.
+        tl.store(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + c, m_i, mask=live)
+        tl.store(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + c, l_i, mask=live)
+        tl.store(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + c * stride_ma_c
+                 + offs_d[None, :], acc, mask=out_mask)
+        tl.debug_barrier()
+        cnt = cnt_ptr + r * stride_cnt + kvh
+        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
+        if done == n_chunks - 1:
+            tl.debug_barrier()
+            g_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            s_run = tl.zeros([BLOCK_M], tl.float32)
+            a_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+            for j in range(0, n_chunks):  # increasing chunk order, as the prefill kernel
+                g_j = tl.load(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + j, mask=live,
+                              other=float("-inf"), cache_modifier=".cg")
+                s_j = tl.load(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + j, mask=live, other=0.0,
+                              cache_modifier=".cg")
+                a_j = tl.load(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + j * stride_ma_c
+                              + offs_d[None, :], mask=out_mask, other=0.0, cache_modifier=".cg")
+                g_run, s_run, a_run = merge_chunk(g_run, s_run, a_run, g_j, s_j, a_j)
+            res = a_run / tl.where(s_run == 0.0, 1.0, s_run)[:, None]
+            tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     res.to(o_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(cnt, 0)  # every chunk program of this launch has counted: ready for the next launch
+
+
+class ChunkWorkspace:
+    """Partial results of the chunk programs and their counters, preallocated (CUDA-graph capturable)."""
+
+    def __init__(self, max_rows: int, num_heads: int, num_kv_heads: int, num_chunks: int, head_dim: int,
+                 device: torch.device | str) -> None:
+        self.num_chunks = num_chunks
+        self.mid_m = torch.empty(max_rows, num_heads, num_chunks, dtype=torch.float32, device=device)
+        self.mid_l = torch.empty(max_rows, num_heads, num_chunks, dtype=torch.float32, device=device)
+        self.mid_acc = torch.empty(max_rows, num_heads, num_chunks, head_dim, dtype=torch.float32, device=device)
+        self.cnt = torch.zeros(max_rows, num_kv_heads, dtype=torch.int32, device=device)  # the merger resets it
+
+
+_WORKSPACES: dict[tuple, ChunkWorkspace] = {}
+_RETIRED: list[ChunkWorkspace] = []  # a captured graph may still point at an outgrown workspace
+
+
+def workspace(num_rows: int, num_heads: int, num_kv_heads: int, num_chunks: int, head_dim: int,
+              device: torch.device) -> ChunkWorkspace:
+    """A workspace for at least `num_rows` rows, kept for the process (grown, never freed)."""
+    key = (str(device), num_heads, num_kv_heads, num_chunks, head_dim)
+    ws = _WORKSPACES.get(key)
+    if ws is None or ws.mid_m.shape[0] < num_rows:
+        if ws is not None:
+            _RETIRED.append(ws)
+        ws = ChunkWorkspace(max(num_rows, 64), num_heads, num_kv_heads, num_chunks, head_dim, device)
+        _WORKSPACES[key] = ws
+    return ws
 
 
 def canonical_decode_attention(
@@ -95,26 +166,31 @@ def canonical_decode_attention(
     out: torch.Tensor | None = None,
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
 ) -> torch.Tensor:
-    """The prefill kernel's output for each row's one query, one program per (row, KV head)."""
+    """The prefill kernel's output for each row's one query: one program per (row, KV head, key chunk),
+    the chunks merged in order by the last of them. Allocation-free after the first call per shape."""
     block_size, num_kv_heads, group = tp._check_cache(q, k_cache, v_cache)
     if group > tp.PREFILL_BLOCK_M:
         raise ValueError(f"GQA group {group} does not fit a {tp.PREFILL_BLOCK_M}-row tile")
-    num_rows = seq_lens.shape[0]
+    num_rows, num_heads, head_dim = q.shape
     out = torch.empty_like(q) if out is None else out
-    head_dim = q.shape[2]
     only_rows = tp._row_mask(only_rows, num_rows)
-    _canonical_decode_kernel[(num_rows, num_kv_heads)](
+    num_chunks = max(1, -(-block_tables.shape[1] * block_size // tp.PREFILL_CHUNK))  # static: the table width
+    ws = workspace(num_rows, num_heads, num_kv_heads, num_chunks, head_dim, q.device)
+    _canonical_decode_kernel[(num_rows, num_kv_heads, num_chunks)](
         q, k_cache, v_cache, out,
         seq_lens, block_tables, only_rows,
+        ws.mid_m, ws.mid_l, ws.mid_acc, ws.cnt,
         scale * tp._LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.shape[1],
+        ws.mid_m.stride(0), ws.mid_m.stride(1), ws.mid_acc.stride(0), ws.mid_acc.stride(1), ws.mid_acc.stride(2),
+        ws.cnt.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp._next_pow2(head_dim)),
         BLOCK_M=tp.PREFILL_BLOCK_M, BLOCK_N=tp.PREFILL_BLOCK_N, DOT_PRECISION=tp._dot_precision(q),
-        HAS_ROW_MASK=only_rows is not None,
+        HAS_ROW_MASK=only_rows is not None, CHUNK=tp.PREFILL_CHUNK,
         num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
     )
     return out
@@ -128,7 +204,7 @@ def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int,
     if key not in _CHECKED:
         g = torch.Generator(device="cpu").manual_seed(20261129)
         hkv, bs = 3, 16
-        lens = list(range(1, 66)) + [127, 128, 129, 200]
+        lens = list(range(1, 66)) + [127, 128, 129, 200, 256, 257, 700, 1025]
         nb = -(-max(lens) // bs)
         k_cache = torch.randn(len(lens) * nb + 1, bs, hkv, head_dim, generator=g).to(dtype).to(device)
         v_cache = torch.randn(len(lens) * nb + 1, bs, hkv, head_dim, generator=g).to(dtype).to(device)

@@ -18,7 +18,7 @@ def _prefill_kernel(
     stride_bt, table_cols,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ROW_MASK: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     r = tl.program_id(0)
     # canonical decode rows: only rows whose mask is nonzero run; the rest keep their split-KV output.
@@ -43,37 +43,61 @@ def _prefill_kernel(
     q = tl.load(q_ptr + tok[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=q_valid[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     last_key = tl.minimum(qt * BLOCK_M + BLOCK_M, seq_len)  # exclusive bound of keys any row sees
     # no key tile for a query tile past the row's end (its program writes nothing)
     num_tiles = tl.cdiv(last_key, BLOCK_N) * (qt * BLOCK_M < seq_len).to(tl.int32)
-    for kt in range(0, num_tiles):
-        kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
-        k_valid = kpos < seq_len
-        col = kpos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
-        blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
-        off = kpos % BLOCK_SIZE
-        kv_mask = k_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [BM, BN], log2 domain
-        causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (invalid rows)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    # Keys in absolute chunks of CHUNK (CHUNK // BLOCK_N tiles): each chunk reduced on its own, then merged
+    # into the running total in increasing chunk order (`merge_chunk`), so a decode query's chunks can
+    # also be reduced in parallel and merged in that order with the same bits (_canonical_decode_kernel)
+    tiles_per_chunk: tl.constexpr = CHUNK // BLOCK_N
+    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_run = tl.zeros([BLOCK_M], tl.float32)
+    acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for c in range(0, tl.cdiv(num_tiles, tiles_per_chunk)):
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
+            kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
+            k_valid = kpos < seq_len
+            col = kpos // BLOCK_SIZE
+            blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+            blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
+            off = kpos % BLOCK_SIZE
+            kv_mask = k_valid[:, None] & d_mask[None, :]
+            k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+            v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
+                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale      # [BM, BN], log2 domain
+            causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet (invalid rows)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        m_run, l_run, acc_run = merge_chunk(m_run, l_run, acc_run, m_i, l_i, acc)
+    out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
     tl.store(o_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(o_ptr.dtype.element_ty), mask=q_valid[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def merge_chunk(m_run, l_run, acc_run, m_c, l_c, acc_c):
+    """Running (max, sum, unnormalised acc) [M], [M], [M, D] + one chunk's -> the new running triple.
+    Elementwise only (no reduction, so no layout dependence); a chunk with no key (m_c = -inf) is exactly
+    neutral (factors 1 and 0), as is merging into the empty start (factors 0 and 1)."""
+    m_new = tl.maximum(m_run, m_c)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a_run = tl.exp2(m_run - m_safe)
+    a_c = tl.exp2(m_c - m_safe)
+    acc_new = acc_run * a_run[:, None] + acc_c * a_c[:, None]
+    l_new = l_run * a_run + l_c * a_c
+    return m_new, l_new, acc_new
+
 
 @triton.jit
 def _decode_split_kernel(
@@ -155,7 +179,7 @@ def _decode_split_kernel(
             mg = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
             ml = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
             macc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
-            for j in range(0, NUM_SPLITS):  # fixed increasing order
+            for j in range(0, tl.cdiv(seq_len, SPLIT)):  # fixed increasing order; later splits are empty
                 lse_s = tl.load(mid_lse_ptr + r * stride_ml_t + mheads * stride_ml_h + j, mask=mh_valid,
                                 other=float("-inf"), cache_modifier=".cg")
                 ok = (lse_s > float("-inf"))[:, None]

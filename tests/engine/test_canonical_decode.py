@@ -123,6 +123,16 @@ def _interpreter_main() -> None:
         # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
         check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
                                split_size=64)
+    # chunks of 64 keys (the real 256 would leave these tiny rows in one chunk): the packed kernel's
+    # parallel chunks merged by their last program must give the prefill kernel's serial merge
+    from engine.attention import triton_canonical_decode as packed
+    from engine.attention import triton_paged as tp
+
+    tp.PREFILL_CHUNK = 64
+    for dtype in (torch.float32, torch.bfloat16):
+        check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
+                               split_size=64)
+        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
     print("interpreter ok")
 
 
@@ -210,7 +220,7 @@ def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
     mask = torch.zeros(len(GPU_LENS), dtype=torch.int32, device="cuda")
     meta = _decode_meta(case, mask)
     k, v = _kv_at(case, meta.slot_mapping)
-    backend = tp.TritonPagedAttention()
+    backend = tp.TritonPagedAttention(split_size=tp.DECODE_SPLIT_SIZE)  # the split below uses the default
     out = torch.empty_like(case["q"])
 
     def step() -> None:
@@ -261,3 +271,14 @@ def test_gpu_packed_canonical_decode_is_used_and_equals_the_prefill_kernel(
                                             case["block_tables"], scale)
     bad = [lens[r] for r in range(len(lens)) if not torch.equal(ref[r], got[r])]
     assert not bad, f"rows of these lengths differ: {bad[:20]}"
+
+
+def test_auto_split_size_targets_about_eight_splits_within_bounds() -> None:
+    from engine.attention import triton_paged as tp
+
+    assert tp.auto_split_size(272) == tp.DECODE_MIN_SPLIT == 128
+    assert tp.auto_split_size(2048) == 256
+    assert tp.auto_split_size(4096) == tp.auto_split_size(65536) == tp.DECODE_SPLIT_SIZE == 512
+    for keys in (1, 100, 1000, 3000, 5000):
+        split = tp.auto_split_size(keys)
+        assert split % tp.DECODE_BLOCK_N == 0 and split & (split - 1) == 0

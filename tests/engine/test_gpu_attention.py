@@ -172,7 +172,7 @@ def test_canonical_rows_equal_the_verifier_bitwise() -> None:
     seq_lens = torch.tensor([p + 1 for p in positions], dtype=torch.int32, device=DEVICE)
     tables = case["block_tables"][[0] * len(positions)].contiguous()
     split = tp.decode_attention(q, case["k_cache"], case["v_cache"], seq_lens, tables, d ** -0.5)
-    backend = tp.TritonPagedAttention()
+    backend = tp.TritonPagedAttention(split_size=tp.DECODE_SPLIT_SIZE)  # the split above uses the default
     mask = torch.tensor([1, 0, 1, 0], dtype=torch.int32, device=DEVICE)
     pos = torch.tensor(positions, device=DEVICE)
     slots = tables[0].long()[pos // bs] * bs + pos % bs

@@ -47,7 +47,8 @@ def _lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None
 
 
 PAGED_PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32",
-              "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32"}
+              "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "mid_m_ptr": "*fp32",
+              "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
@@ -71,7 +72,7 @@ def test_prefill_and_canonical_decode_kernels_lower(row_mask: bool) -> None:
     from engine.attention import triton_paged_kernels as k
 
     common = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
-                  HAS_ROW_MASK=row_mask)
+                  HAS_ROW_MASK=row_mask, CHUNK=256)
     assert "tt.func" in _lower(k._prefill_kernel, dict(common, GROUP=4), PAGED_PTRS)
     assert "tt.func" in _lower(cd._canonical_decode_kernel, dict(common, GROUP=4), PAGED_PTRS)
 
