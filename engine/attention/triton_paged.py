@@ -8,9 +8,9 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   keys with position > query position. The tiles are grouped in absolute chunks of PREFILL_CHUNK keys:
   each chunk's online softmax starts afresh and its (max, sum, acc) is merged into the running total in
   increasing chunk order (`merge_chunk`), so a one-query row's chunks can be reduced in parallel and
-  merged in the same order to the same bits (the canonical decode kernel, below). A query at position p therefore always sits in MMA row p % BM
-  and sees the same tiles with the same contents in the same order, whatever the window's start, the
-  row it sits in, or the batch. Tiles past a query's own position are fully masked for it and
+  merged in the same order to the same bits (the canonical decode kernel, below). A query at position
+  p therefore always sits in MMA row p % BM and sees the same tiles and chunks with the same contents
+  in the same order, whatever the window's start, the row it sits in, or the batch. Tiles past a query's own position are fully masked for it and
   bitwise neutral (alpha = exp2(0) = 1, p = 0). Tile shapes and warps are constants, never tuned per
   shape, because the MMA instruction (and its accumulation order) follows the tile shape.
 
@@ -21,7 +21,7 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
 * `decode_attention` — DECODE passes (one query per row). Split-KV with a FIXED SPLIT SIZE (not a
   fixed split count): split s covers keys [s*SPLIT, (s+1)*SPLIT) of the row, and the splits are merged
   in increasing s. A row's result depends only on its own keys, so the kernel is batch-invariant too
-  (usable by the `batch_invariant` mode). The grid's split count is static (from the block-table
+  (but its bits are not the prefill kernel's, so the `batch_invariant` mode decodes canonically). The grid's split count is static (from the block-table
   width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
   By default the merge is fused into the split kernel (one launch): each program counts itself done on a
@@ -33,9 +33,9 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   run over the same rows with `only_rows`, where the programs of unflagged rows return before any work
   — as its GQA-packed one-query twin (engine.attention.triton_canonical_decode: one program per row, KV
   head and key chunk instead of per row and query head, checked bitwise equal on the device) or the
-  prefill kernel. A flagged row thus gets
-  bitwise the verifier's output for its position (a 1-query row is a window like any other), an
-  unflagged row the split-KV output, and both launches have static grids (CUDA-graph capturable).
+  prefill kernel. A flagged row thus gets bitwise the verifier's output for its position (a 1-query
+  row is a window like any other), an unflagged row the split-KV output, and both launches have
+  static grids (CUDA-graph capturable).
 
 Triton is imported lazily: this module is importable on a CPU-only machine; calling a kernel there
 raises (or runs under TRITON_INTERPRET=1 for tests).
@@ -62,8 +62,7 @@ PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in ord
 KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
 
 DECODE_BLOCK_N = 64
-DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N); the largest auto_split_size gives
-DECODE_MIN_SPLIT = 128
+DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
 _LOG2E = 1.4426950408889634
 
 
@@ -142,16 +141,6 @@ def _row_mask(mask: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
     if mask is not None and (mask.dtype != torch.int32 or tuple(mask.shape) != (num_rows,)):
         raise ValueError(f"row mask must be Int32[{num_rows}], got {mask.dtype}{list(mask.shape)}")
     return mask
-
-
-def auto_split_size(max_kv_len: int) -> int:
-    """The fast path's split size for a block table of `max_kv_len` keys (static under CUDA graphs): about
-    8 splits, between DECODE_MIN_SPLIT and DECODE_SPLIT_SIZE keys, a power of two. Short tables get more,
-    shorter splits (a split's tiles run one after another: the critical path of a small batch); long
-    ones keep the merge short. Any fixed split size is batch invariant; none is needed for the verifier's
-    numerics (canonical rows use the prefill kernel's)."""
-    want = 1 << max(0, (max(1, math.ceil(max_kv_len / 8)) - 1).bit_length())
-    return min(DECODE_SPLIT_SIZE, max(DECODE_MIN_SPLIT, want))
 
 
 def decode_num_splits(max_kv_len: int, split_size: int = DECODE_SPLIT_SIZE) -> int:
@@ -279,11 +268,10 @@ class TritonPagedAttention:
     # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
     kv_prewritten = True
 
-    def __init__(self, split_size: int | None = None, decode: str = "split", merge: str = "fused") -> None:
+    def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split", merge: str = "fused") -> None:
         """decode="split": the split-KV decode kernel (fast), except for the rows a DECODE pass flags in
         `canonical_rows`; "canonical": every decode query goes through the prefill/verify kernel, so the
-        fast path's attention numerics equal the verifier's. merge: decode_attention's (same bits either way).
-        split_size: keys per split of the split-KV kernel; None = auto_split_size of the block table."""
+        fast path's attention numerics equal the verifier's. merge: decode_attention's (same bits either way)."""
         if decode not in ("split", "canonical"):
             raise ValueError(f"decode must be 'split' or 'canonical', got {decode!r}")
         if merge not in ("fused", "kernel"):
@@ -339,11 +327,10 @@ class TritonPagedAttention:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         if plan.one_query_per_row:
-            width = plan.block_tables.shape[1] * k_cache.shape[1]
-            split = self.split_size or auto_split_size(width)
-            ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], decode_num_splits(width, split), q.device)
+            splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
+            ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
             out = decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                   workspace=ws, split_size=split, skip_rows=plan.canonical_rows,
+                                   workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows,
                                    merge=self.merge)
             if plan.canonical_rows is not None:
                 _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)

@@ -179,7 +179,7 @@ def _decode_split_kernel(
             mg = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
             ml = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
             macc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
-            for j in range(0, tl.cdiv(seq_len, SPLIT)):  # fixed increasing order; later splits are empty
+            for j in range(0, NUM_SPLITS):  # fixed increasing order
                 lse_s = tl.load(mid_lse_ptr + r * stride_ml_t + mheads * stride_ml_h + j, mask=mh_valid,
                                 other=float("-inf"), cache_modifier=".cg")
                 ok = (lse_s > float("-inf"))[:, None]

@@ -272,13 +272,3 @@ def test_gpu_packed_canonical_decode_is_used_and_equals_the_prefill_kernel(
     bad = [lens[r] for r in range(len(lens)) if not torch.equal(ref[r], got[r])]
     assert not bad, f"rows of these lengths differ: {bad[:20]}"
 
-
-def test_auto_split_size_targets_about_eight_splits_within_bounds() -> None:
-    from engine.attention import triton_paged as tp
-
-    assert tp.auto_split_size(272) == tp.DECODE_MIN_SPLIT == 128
-    assert tp.auto_split_size(2048) == 256
-    assert tp.auto_split_size(4096) == tp.auto_split_size(65536) == tp.DECODE_SPLIT_SIZE == 512
-    for keys in (1, 100, 1000, 3000, 5000):
-        split = tp.auto_split_size(keys)
-        assert split % tp.DECODE_BLOCK_N == 0 and split & (split - 1) == 0
