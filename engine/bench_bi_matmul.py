@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from pathlib import Path
 
@@ -38,17 +37,9 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 
 
 def _time(fn, reps: int = 15) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out)
+    from engine.bench_gpu import time_cuda
+
+    return time_cuda(fn, reps=reps, warmup=1)["median_ms"]
 
 
 def _launch(kernel, x, w, out, cfg):

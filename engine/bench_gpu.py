@@ -392,7 +392,6 @@ def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
 def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
     """Graphed decode step with the model's ops vs cuBLAS GEMMs + the one-kernel Triton RMSNorm / SwiGLU
     of engine.kernels (a weight-sharing view): how much the row-op kernel count costs."""
-    from engine.cuda_graphs import DecodeGraphs
     from engine.kernels import TORCH_OPS, BatchInvariantOps
 
     class RowKernelOps(type(TORCH_OPS)):  # GEMMs stay cuBLAS; norms and SwiGLU one Triton kernel each
@@ -411,15 +410,27 @@ def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
     fill_cache_(kv, seed=2)
     out: dict[str, Any] = {}
     for label, m in (("model_ops", model), ("triton_row_ops", model.with_numerics(RowKernelOps(), model.attention))):
-        graphs = DecodeGraphs(m, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
-        graphs.capture()
-        for b in batches:
-            tables = contiguous_tables(b, nb)
-            ids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
-            t = time_cuda(lambda: graphs.run(ids, [context - 1] * b, [context] * b, tables), reps=ctx.args.reps)
-            out[f"{label}_b{b}_ms"] = t["median_ms"]
-        del graphs
+        for b, ms in _graphed_decode_ms(ctx, m, kv, batches, nb).items():
+            out[f"{label}_b{b}_ms"] = ms
     del kv
+    return out
+
+
+def _graphed_decode_ms(ctx: Ctx, model: Any, kv: Any, batches: tuple[int, ...], nb: int) -> dict[int, float]:
+    """Median ms of a captured decode step of `model` at each batch size (rows at --context, `nb` blocks
+    of table each, contiguous tables over `kv`)."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    context = ctx.args.context
+    graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
+    graphs.capture()
+    out: dict[int, float] = {}
+    for b in batches:
+        tables = contiguous_tables(b, nb)
+        ids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
+        out[b] = time_cuda(lambda: graphs.run(ids, [context - 1] * b, [context] * b, tables),
+                           reps=ctx.args.reps)["median_ms"]
+    del graphs
     return out
 
 
@@ -469,30 +480,19 @@ def bench_bi_breakdown(ctx: Ctx) -> dict[str, Any]:
     the largest batch, an eager 4096-token prefill pass, and the kernels of the BI decode / prefill."""
     from engine.attention import PassKind, RowSpec, build_metadata, positions_of
     from engine.attention.batch_invariant import BatchInvariantAttention
-    from engine.cuda_graphs import DecodeGraphs
     from engine.kernels import BatchInvariantOps
 
     model = synthetic(ctx)
     bi = model.with_numerics(BatchInvariantOps(), BatchInvariantAttention())
-    from engine.attention.triton_paged import TritonPagedAttention
-
-    # the alternative attention for the mode: every query through the absolute-tile no-split kernel
-    bi_paged = model.with_numerics(BatchInvariantOps(), TritonPagedAttention(decode="canonical"))
     context, batches = ctx.args.context, (1, max(ctx.args.batches))
     nb = -(-(max(context, 256) + 16) // BLOCK_SIZE)
     rows_needed = max(max(batches), 16)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + rows_needed * nb, BLOCK_SIZE)
     fill_cache_(kv, seed=2)
     out: dict[str, Any] = {"context": context}
-    for label, m in (("model", model), ("batch_invariant", bi), ("bi_ops_paged_canonical", bi_paged)):
-        graphs = DecodeGraphs(m, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
-        graphs.capture()
-        for b in batches:
-            tables = contiguous_tables(b, nb)
-            ids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
-            t = time_cuda(lambda: graphs.run(ids, [context - 1] * b, [context] * b, tables), reps=ctx.args.reps)
-            out[f"{label}_decode_b{b}_ms"] = t["median_ms"]
-        del graphs
+    for label, m in (("model", model), ("batch_invariant", bi)):
+        for b, ms in _graphed_decode_ms(ctx, m, kv, batches, nb).items():
+            out[f"{label}_decode_b{b}_ms"] = ms
         tables = contiguous_tables(16, nb)
         rows = [RowSpec(t, 0, 256) for t in tables]
         meta = build_metadata(PassKind.PREFILL, rows, BLOCK_SIZE, ctx.device)
