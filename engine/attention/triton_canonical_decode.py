@@ -145,13 +145,19 @@ _RETIRED: list[ChunkWorkspace] = []  # a captured graph may still point at an ou
 
 def workspace(num_rows: int, num_heads: int, num_kv_heads: int, num_chunks: int, head_dim: int,
               device: torch.device) -> ChunkWorkspace:
-    """A workspace for at least `num_rows` rows, kept for the process (grown, never freed)."""
-    key = (str(device), num_heads, num_kv_heads, num_chunks, head_dim)
+    """A workspace with room for at least `num_rows` rows and `num_chunks` chunks (the kernel indexes it by
+    strides, so a larger one serves), one per device and head shape, kept for the process. It grows by
+    doubling, so eager passes of many table widths allocate O(log) times, not once per width."""
+    key = (str(device), num_heads, num_kv_heads, head_dim)
     ws = _WORKSPACES.get(key)
-    if ws is None or ws.mid_m.shape[0] < num_rows:
+    if ws is None or ws.mid_m.shape[0] < num_rows or ws.num_chunks < num_chunks:
+        rows, chunks = max(num_rows, 64), num_chunks
         if ws is not None:
-            _RETIRED.append(ws)
-        ws = ChunkWorkspace(max(num_rows, 64), num_heads, num_kv_heads, num_chunks, head_dim, device)
+            _RETIRED.append(ws)  # a captured graph may still point at it
+            old_rows, old_chunks = ws.mid_m.shape[0], ws.num_chunks
+            rows = max(rows, old_rows if old_rows >= num_rows else 2 * old_rows)
+            chunks = max(chunks, old_chunks if old_chunks >= num_chunks else 2 * old_chunks)
+        ws = ChunkWorkspace(rows, num_heads, num_kv_heads, chunks, head_dim, device)
         _WORKSPACES[key] = ws
     return ws
 

@@ -272,3 +272,17 @@ def test_gpu_packed_canonical_decode_is_used_and_equals_the_prefill_kernel(
     bad = [lens[r] for r in range(len(lens)) if not torch.equal(ref[r], got[r])]
     assert not bad, f"rows of these lengths differ: {bad[:20]}"
 
+
+
+def test_chunk_workspace_grows_by_doubling_and_serves_smaller_calls() -> None:
+    from engine.attention import triton_canonical_decode as packed
+
+    dev = torch.device("cpu")
+    packed._WORKSPACES.pop((str(dev), 4, 2, 16), None)
+    first = packed.workspace(10, 4, 2, 3, 16, dev)
+    assert first.mid_m.shape[:2] == (64, 4) and first.num_chunks == 3
+    assert packed.workspace(64, 4, 2, 2, 16, dev) is first            # fits: no new allocation
+    grown = packed.workspace(65, 4, 2, 4, 16, dev)
+    assert grown is not first and grown.mid_m.shape[0] == 128 and grown.num_chunks == 6
+    assert first in packed._RETIRED and bool((grown.cnt == 0).all())
+    assert packed.workspace(100, 4, 2, 5, 16, dev) is grown
