@@ -196,7 +196,7 @@ class ConsoleController(Controller):
         try:
             job = await _client(session, request).json("POST", "/v1/reports", json=body)
         except ApiFailure as exc:
-            return render("reports.html.j2", status=exc.status, session=session, reports=None, error=exc.message)
+            return _failure_page(exc, session, "reports.html.j2", reports=None)
         return Redirect(f"/ui/reports/{job['id']}", status_code=303)
 
     @get("/reports/{report_id:str}")
@@ -207,7 +207,7 @@ class ConsoleController(Controller):
         try:
             job = await _client(session, request).json("GET", f"/v1/reports/{report_id}", params={"format": "json"})
         except ApiFailure as exc:
-            return render("error.html.j2", status=exc.status, session=session, error=exc.message)
+            return _failure_page(exc, session, "error.html.j2")
         return render("report.html.j2", session=session, job=job)
 
     @get("/reports/{report_id:str}/status")
@@ -220,6 +220,8 @@ class ConsoleController(Controller):
         if session is None:
             return _to_login()
         response = await _client(session, request).request("GET", f"/v1/reports/{report_id}")
+        if response.status_code == 401:  # the key no longer authenticates (revoked): back to sign-in
+            return _to_login()
         if response.headers.get("content-type") != "application/zip":
             return render("error.html.j2", status=409 if response.status_code < 400 else response.status_code,
                           session=session, error="the report is not ready (or not yours)")

@@ -73,3 +73,26 @@ async def test_script_endpoints_answer_the_api_document_or_its_error(fake_server
         assert status.status_code == 200 and status.json()["id"] == report_id, status.text
         missing = await client.get("/ui/replays/no-such-replay")
         assert missing.status_code == 404 and set(missing.json()) == {"error"}, missing.text
+
+
+async def test_revoked_key_sends_every_report_page_back_to_sign_in(fake_server: LiveServer) -> None:
+    """A console session whose API key is revoked: the report pages, the export POST and the download go
+    back to sign-in (303), like the transcript pages, instead of rendering an error page."""
+    async with fake_server.client(fake_server.keys["admin"]) as admin:
+        made = await admin.post("/v1/admin/keys", json={"role": "auditor", "name": "short-lived"})
+    assert made.status_code == 201, made.text
+    async with httpx.AsyncClient(base_url=fake_server.url, timeout=60) as client:
+        signed_in = await client.post("/ui/login", data={"api_key": made.json()["key"]})
+        assert signed_in.status_code == 303 and signed_in.headers["location"] == "/ui/transcripts"
+        exported = await client.post("/ui/reports", data={})
+        assert exported.status_code == 303, exported.text
+        report_id = exported.headers["location"].rsplit("/", 1)[1]
+        assert (await client.get(f"/ui/reports/{report_id}")).status_code == 200
+        async with fake_server.client(fake_server.keys["admin"]) as admin:
+            assert (await admin.delete(f"/v1/admin/keys/{made.json()['id']}")).status_code == 200
+        for response in (await client.get("/ui/reports"), await client.post("/ui/reports", data={}),
+                         await client.get(f"/ui/reports/{report_id}"),
+                         await client.get(f"/ui/reports/{report_id}/download"),
+                         await client.get("/ui/transcripts")):
+            assert response.status_code == 303 and response.headers["location"] == "/ui/login", (
+                response.request.method, response.request.url.path, response.status_code, response.text[:200])
