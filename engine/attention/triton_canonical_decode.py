@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.attention import triton_paged as tp
-from engine.attention.triton_paged_kernels import merge_chunk
+from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk
 
 _CHECKED: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -69,15 +69,8 @@ def _canonical_decode_kernel(
     for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
         kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
         k_valid = kpos < seq_len
-        col = kpos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
-        blk = blk.to(tl.int64)
-        off = kpos % BLOCK_SIZE
-        kv_mask = k_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
         s = tl.where(causal, s, float("-inf"))

@@ -7,6 +7,23 @@ import triton.language as tl
 
 
 @triton.jit
+def load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE: tl.constexpr):
+    """The K and V tiles [BN, BD] of keys `kpos` of row r (paged through its block table); keys not
+    `k_valid` (and head-dim lanes past D) load as 0."""
+    col = kpos // BLOCK_SIZE
+    blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
+    blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
+    off = kpos % BLOCK_SIZE
+    kv_mask = k_valid[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh + offs_d[None, :],
+                mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, row_mask_ptr,
@@ -60,15 +77,8 @@ def _prefill_kernel(
         for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
             kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)        # [BN] absolute key positions
             k_valid = kpos < seq_len
-            col = kpos // BLOCK_SIZE
-            blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
-            blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
-            off = kpos % BLOCK_SIZE
-            kv_mask = k_valid[:, None] & d_mask[None, :]
-            k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
-            v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                        + offs_d[None, :], mask=kv_mask, other=0.0)       # [BN, BD]
+            k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale      # [BM, BN], log2 domain
             causal = (kpos[None, :] <= pos[:, None]) & k_valid[None, :]
             s = tl.where(causal, s, float("-inf"))
@@ -137,15 +147,8 @@ def _decode_split_kernel(
     for k0 in range(start, end, BLOCK_N):
         kpos = k0 + tl.arange(0, BLOCK_N)
         k_valid = kpos < end
-        col = kpos // BLOCK_SIZE
-        blk = tl.load(bt_ptr + r * stride_bt + col, mask=k_valid & (col < table_cols), other=0)
-        blk = blk.to(tl.int64)  # block * stride can pass 2**31 elements on large caches
-        off = kpos % BLOCK_SIZE
-        kv_mask = k_valid[:, None] & d_mask[None, :]
-        k = tl.load(k_ptr + blk[:, None] * stride_kb + off[:, None] * stride_ks + kvh * stride_kh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_ptr + blk[:, None] * stride_vb + off[:, None] * stride_vs + kvh * stride_vh
-                    + offs_d[None, :], mask=kv_mask, other=0.0)
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale                # [GP, BN]
         s = tl.where(k_valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
