@@ -16,11 +16,14 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None = None) -> str:
+def _lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None = None, *, llvm: bool = False,
+           warps: int = 4, stages: int = 2) -> str:
+    """Triton IR of `kernel` for sm_90 (the front end), or with llvm=True its LLVM IR (the TTIR, TTGIR
+    and LLVM passes: layouts, pipelining, shared-memory allocation); only ptxas needs the GPU."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from triton.compiler.compiler import make_backend
+    from triton.compiler.compiler import Language, make_backend
 
     types = types or {}
     signature: dict[str, str] = {}
@@ -37,13 +40,18 @@ def _lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None
             signature[name] = "i32"
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
-    options = backend.parse_options({})
+    options = backend.parse_options({"num_warps": warps, "num_stages": stages})
     ctx = ir.context()
     ir.load_dialects(ctx)
     backend.load_dialects(ctx)
     module = ASTSource(fn=kernel, signature=signature, constexprs=constexprs).make_ir(
         target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
-    return str(module)
+    if not llvm:
+        return str(module)
+    passes: dict[str, Any] = {}
+    backend.add_stages(passes, options, Language.TRITON)
+    metadata: dict[str, Any] = {}
+    return str(passes["llir"](passes["ttgir"](passes["ttir"](module, metadata), metadata), metadata))
 
 
 PAGED_PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32",
@@ -116,3 +124,18 @@ def test_the_check_catches_a_shape_changing_branch() -> None:
 
     with pytest.raises(Exception, match="redefines"):
         _lower(bad, {}, {"x_ptr": "*fp32"})
+
+
+def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
+    """The whole lowering but ptxas, with the launch's warps and stages, for the kernels the decode and
+    verify passes run (layout, pipelining and shared-memory decisions happen here, not in the front end)."""
+    from engine.attention import triton_canonical_decode as cd
+    from engine.attention import triton_paged_kernels as k
+
+    paged = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
+                 HAS_ROW_MASK=True, CHUNK=256, GROUP=4)
+    split = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
+                 DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4)
+    for kernel, consts in ((k._prefill_kernel, paged), (cd._canonical_decode_kernel, paged),
+                           (k._decode_split_kernel, split)):
+        assert "define ptx_kernel void" in _lower(kernel, consts, PAGED_PTRS, llvm=True)
