@@ -93,7 +93,7 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         from engine.attention.triton_paged import KERNEL_ID
 
         fp["attention_kernel"] = KERNEL_ID
-    if device.type == "cuda" and config.mode != Mode.BATCH_INVARIANT:  # fused norm / rope / SwiGLU row kernels
+    if device.type == "cuda":  # fused norm / rope / SwiGLU row kernels (both ops objects run them on CUDA)
         from engine.kernels.triton_fused import KERNEL_ID as FUSED_KERNEL_ID
 
         fp["row_kernels"] = FUSED_KERNEL_ID

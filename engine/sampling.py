@@ -71,10 +71,15 @@ def splitmix64(x: np.ndarray) -> np.ndarray:
         return _mix(x + _GAMMA)
 
 
-def noise_key(seed: int, position: int) -> np.ndarray:
-    """The per-(seed, position) key every vocab id's noise is hashed from: uint64 array of shape [1]."""
+def noise_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """The per-(seed, position) keys every vocab id's noise is hashed from, for many rows at once: uint64[N]."""
     with np.errstate(over="ignore"):
-        return splitmix64(splitmix64(np.array([seed], dtype=np.uint64)) ^ np.uint64(position))
+        return splitmix64(splitmix64(np.array(seeds, dtype=np.uint64)) ^ np.array(positions, dtype=np.uint64))
+
+
+def noise_key(seed: int, position: int) -> np.ndarray:
+    """One row's key (noise_keys of one row): uint64 array of shape [1]."""
+    return noise_keys([seed], [position])
 
 
 def uniform(seed: int, position: int, vocab_size: int) -> np.ndarray:
@@ -189,7 +194,7 @@ def _filtered(params: SamplingParams) -> bool:
 
 def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
                         rows: list[int]) -> list[SampleResult]:
-    from engine.kernels.triton_sampler import gumbel_sample, row_key
+    from engine.kernels.triton_sampler import gumbel_sample
 
     out: list[SampleResult | None] = [None] * len(specs)
     fast = [i for i, (p, _, _) in enumerate(specs) if not _filtered(p)]
@@ -202,7 +207,8 @@ def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, 
     if fast:
         dev = logits.device
         row_ids = torch.tensor([rows[i] for i in fast], dtype=torch.int64).to(dev, non_blocking=True)
-        keys = torch.tensor([row_key(specs[i][1], specs[i][2]) for i in fast], dtype=torch.int64)
+        # the kernel reads each key's bit pattern as int64; one vectorised hash for all rows
+        keys = torch.from_numpy(noise_keys([specs[i][1] for i in fast], [specs[i][2] for i in fast]).view(np.int64))
         temps = torch.tensor([float(specs[i][0].temperature) for i in fast], dtype=torch.float64)
         token, logprob, lse = gumbel_sample(logits, row_ids, keys.to(dev, non_blocking=True),
                                             temps.to(dev, non_blocking=True))

@@ -1,10 +1,10 @@
 """Attention for mode="batch_invariant": every query's bits depend only on its position and the cache.
 
 CUDA (backend "auto" / "triton"): the Triton paged kernels of engine.attention.triton_paged with
-decode="canonical" — prefill, chunked prefill and verify passes through the no-split kernel (each query
-reduced over its keys in absolute 64-key tiles in increasing order by one program: the "fixed split
-size" of SGLang's deterministic mode, taken to a whole row), decode queries through its GQA-packed
-one-query twin (engine.attention.triton_canonical_decode), which gives the same bits. So a token's K/V
+decode="canonical" — prefill, chunked prefill and verify passes through the prefill kernel (each query
+reduced over its keys in absolute 256-key chunks merged in increasing order: a fixed split size, as in
+SGLang's deterministic mode), decode queries through its GQA-packed one-query twin
+(engine.attention.triton_canonical_decode, the chunks in parallel), which gives the same bits. So a token's K/V
 and output are the same whether it was computed in a prefill, a chunk of one, a decode step or a
 recompute after preemption, and whatever else is in the batch.
 
@@ -17,7 +17,7 @@ from tensor shapes and device ops only (no host sync), so a decode step stays CU
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -33,7 +33,6 @@ class BatchInvariantPlan:
     block_tables: torch.Tensor  # Int[R, max_blocks]
     rows: torch.Tensor  # Long[T]: row of each query
     positions: torch.Tensor  # Long[T]: absolute position of each query
-    max_seq_len: int  # host bound >= every seq_len (block-table width * block size): CUDA launch width only
 
 
 class BatchInvariantAttention:
@@ -67,13 +66,12 @@ class BatchInvariantAttention:
     def plan(self, meta: AttentionMetadata, block_size: int) -> object:
         paged = self._paged(meta.seq_lens.device)
         if paged is not None:
-            return paged.plan(replace(meta, canonical_rows=None), block_size)
+            return paged.plan(meta, block_size)  # decode="canonical" ignores canonical_rows
         num_tokens = meta.num_tokens
         # None: query_layout's one-query-per-row layout, built without a host sync (CUDA-graph capturable)
         decode = meta.kind is PassKind.DECODE and num_tokens == meta.num_rows
         rows, positions = query_layout(meta.seq_lens, None if decode else meta.query_start_loc, num_tokens)
-        return BatchInvariantPlan(meta.slot_mapping.to(torch.long), meta.block_tables, rows, positions,
-                                  meta.block_tables.shape[1] * block_size)
+        return BatchInvariantPlan(meta.slot_mapping.to(torch.long), meta.block_tables, rows, positions)
 
     def forward(
         self,

@@ -10,8 +10,8 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
   increasing chunk order (`merge_chunk`), so a one-query row's chunks can be reduced in parallel and
   merged in the same order to the same bits (the canonical decode kernel, below). A query at position
   p therefore always sits in MMA row p % BM and sees the same tiles and chunks with the same contents
-  in the same order, whatever the window's start, the row it sits in, or the batch. Tiles past a query's own position are fully masked for it and
-  bitwise neutral (alpha = exp2(0) = 1, p = 0). Tile shapes and warps are constants, never tuned per
+  in the same order, whatever the window's start, the row it sits in, or the batch. Tiles past a
+  query's own position are fully masked for it and bitwise neutral (alpha = exp2(0) = 1, p = 0). Tile shapes and warps are constants, never tuned per
   shape, because the MMA instruction (and its accumulation order) follows the tile shape.
 
       keys of row r:   | tile 0 | tile 1 | tile 2 | ...        (absolute, BN keys each)
@@ -21,8 +21,9 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
 * `decode_attention` — DECODE passes (one query per row). Split-KV with a FIXED SPLIT SIZE (not a
   fixed split count): split s covers keys [s*SPLIT, (s+1)*SPLIT) of the row, and the splits are merged
   in increasing s. A row's result depends only on its own keys, so the kernel is batch-invariant too
-  (but its bits are not the prefill kernel's, so the `batch_invariant` mode decodes canonically). The grid's split count is static (from the block-table
-  width), so the call is CUDA-graph capturable; empty splits exit early and merge as exact zeros.
+  (but its bits are not the prefill kernel's, so the `batch_invariant` mode decodes canonically). The
+  grid's split count is static (from the block-table width), so the call is CUDA-graph capturable;
+  empty splits exit early and merge as exact zeros.
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
   By default the merge is fused into the split kernel (one launch): each program counts itself done on a
   per-(row, KV head) counter of the workspace (atomic, acq_rel) and the last one merges the group's heads
@@ -227,7 +228,7 @@ def decode_attention(
 
 
 def _canonical_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
-                      scale: float, out: torch.Tensor, only_rows: torch.Tensor | None) -> torch.Tensor:
+                      scale: float, out: torch.Tensor | None, only_rows: torch.Tensor | None) -> torch.Tensor:
     """One-query rows with the prefill kernel's bits: its GQA-packed twin where that is checked to give
     them on this device (engine.attention.triton_canonical_decode), the prefill kernel itself otherwise."""
     from engine.attention import triton_canonical_decode as packed
@@ -336,6 +337,6 @@ class TritonPagedAttention:
                 _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
             return out
         if plan.canonical_decode:
-            return _canonical_decode(q, k_cache, v_cache, plan, scale, torch.empty_like(q), None)
+            return _canonical_decode(q, k_cache, v_cache, plan, scale, None, None)
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                                  scale, plan.max_query_len)

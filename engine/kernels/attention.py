@@ -145,28 +145,14 @@ def bi_paged_attention(
     *,
     scale: float | None = None,
     split_size: int = DEFAULT_SPLIT_SIZE,
-    max_seq_len: int | None = None,
-    backend: str = "auto",
 ) -> torch.Tensor:
-    """Causal paged attention with a fixed split size: q [T, Hq, D] -> [T, Hq, D] in q's dtype.
-
-    `split_size` is part of the numerics (record it with the runtime identity); `max_seq_len` (host
-    int, >= every seq_len, optional) sizes the CUDA launch without a device sync and never changes a
-    result. backend: "auto" (Triton on CUDA, tiles elsewhere), "triton" or "tiles".
-    """
-    if backend not in ("auto", "triton", "tiles"):
-        raise ValueError(f"unknown backend {backend!r}; expected auto, triton or tiles")
+    """Causal paged attention with a fixed split size, on fixed-shape torch tiles (any device): q [T, Hq,
+    D] -> [T, Hq, D] in q's dtype. `split_size` is part of the numerics (record it with the runtime
+    identity). The CUDA path of mode="batch_invariant" runs the Triton paged kernels instead
+    (engine.attention.batch_invariant)."""
     check_shapes(q, k_cache, v_cache, block_tables)
     if split_size <= 0 or split_size & (split_size - 1):
         raise ValueError(f"split_size must be a power of two, got {split_size}")
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     rows, positions = query_layout(seq_lens, query_start_loc, q.shape[0])
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
-    if not use_triton:
-        return tile_paged_attention(q, k_cache, v_cache, block_tables, rows, positions, scale, split_size)
-    from engine.kernels.triton_attention import triton_paged_attention
-
-    max_position = (max_seq_len - 1) if max_seq_len is not None else int(positions.max()) if q.shape[0] else 0
-    return triton_paged_attention(
-        q, k_cache, v_cache, block_tables, rows, positions, scale, split_size, max_position
-    )
+    return tile_paged_attention(q, k_cache, v_cache, block_tables, rows, positions, scale, split_size)

@@ -57,7 +57,7 @@ def gumbel_sample(logits: torch.Tensor, row_ids: torch.Tensor, keys: torch.Tenso
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sample rows `row_ids` of `logits` [N, vocab] (any float dtype; read as float32).
 
-    keys: Int64[R] from `row_key(seed, position)`; temps: Float64[R] (0 = greedy argmax, first id on ties).
+    keys: Int64[R], the bit patterns of `engine.sampling.noise_keys` (`row_key` for one row); temps: Float64[R] (0 = greedy argmax, first id on ties).
     Returns (token Int64[R], logprob Float32[R], lse Float64[R]) on the logits' device.
     """
     triton, split_kernel, merge_kernel = _kernels()

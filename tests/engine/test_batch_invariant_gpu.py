@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import BatchInvariantOps, bi_paged_attention, check_linear_shapes
+from engine.kernels import BatchInvariantOps, check_linear_shapes
 from tests.engine.test_batch_invariant_ops import (
     DTYPES,
     SIZES,
@@ -20,13 +20,10 @@ from tests.engine.test_batch_invariant_ops import (
     _rand,
     assert_close_rel,
     assert_row_invariant,
-    check_decode_attention,
     check_linear,
     check_log_softmax,
-    check_multi_query_attention,
     check_rms_norm,
     check_silu_mul,
-    make_cache,
 )
 
 pytestmark = [
@@ -95,32 +92,6 @@ def test_tiles_backend_is_invariant_on_cuda_too() -> None:
     check_linear(torch.bfloat16, "cuda", BatchInvariantOps("tiles"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_decode_attention(dtype: torch.dtype) -> None:
-    check_decode_attention(dtype, "cuda", "triton")
-    check_decode_attention(dtype, "cuda", "triton", split=256)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_triton_multi_query_attention(dtype: torch.dtype) -> None:
-    check_multi_query_attention(dtype, "cuda", "triton")
-
-
-def test_triton_decode_attention_llama8b_heads() -> None:
-    """Hq=32, Hkv=8, D=128, lengths up to 3000: each row alone == the same row in a batch of 48."""
-    g = torch.Generator().manual_seed(5)
-    lens = torch.randint(1, 3000, (48,), generator=g).tolist()
-    k, v, tables = make_cache(lens, torch.bfloat16, "cuda", hkv=8, d=128)
-    q = _rand(48, 32, 128, dtype=torch.bfloat16, device="cuda", seed=6)
-    seq_lens = torch.tensor(lens, device="cuda")
-    full = bi_paged_attention(q, k, v, tables, seq_lens, backend="triton")
-    for r in range(48):
-        alone = bi_paged_attention(q[r : r + 1], k, v, tables[r : r + 1], seq_lens[r : r + 1], backend="triton")
-        assert torch.equal(alone, full[r : r + 1]), f"row {r} (len {lens[r]}) differs"
-    tiles = bi_paged_attention(q, k, v, tables, seq_lens, backend="tiles")
-    assert_close_rel(full, tiles.double(), TOL[torch.bfloat16])
-
-
 def _ms(fn, reps: int = 20) -> float:
     fn()
     torch.cuda.synchronize()
@@ -141,12 +112,6 @@ def test_report_speed_vs_torch() -> None:
             x = _rand(m, k, dtype=torch.bfloat16, device="cuda", seed=8)
             bi, ref = _ms(lambda: TRITON.linear(x, w)), _ms(lambda: F.linear(x, w))
             print(f"[bi-speed] linear {name} M={m}: bi {bi:.3f} ms, torch {ref:.3f} ms, ratio {ref / bi:.2f}")
-    lens = [2048] * 64
-    k_c, v_c, tables = make_cache(lens, torch.bfloat16, "cuda", hkv=8, d=128)
-    q = _rand(64, 32, 128, dtype=torch.bfloat16, device="cuda", seed=9)
-    seq_lens = torch.tensor(lens, device="cuda")
-    ms = _ms(lambda: bi_paged_attention(q, k_c, v_c, tables, seq_lens, backend="triton", max_seq_len=2048))
-    print(f"[bi-speed] decode attention 64 x 2048 keys, Hq=32 Hkv=8 D=128: {ms:.3f} ms per layer")
 
 
 def test_triton_linear_tile_buckets_agree_bf16() -> None:

@@ -197,9 +197,6 @@ def test_unknown_backend_is_refused() -> None:
         BatchInvariantOps("fast")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unknown row_kernels"):
         TorchOps("triton")  # type: ignore[arg-type]
-    k, v, tables = make_cache([10], torch.float32, "cpu")
-    with pytest.raises(ValueError, match="unknown backend"):
-        bi_paged_attention(torch.zeros(1, 4, k.shape[-1]), k, v, tables, torch.tensor([10]), backend="fast")
 
 
 # ---------------------------------------------------------------- attention
@@ -250,12 +247,12 @@ ATTN_SEQ_LENS = [1, 5, 63, 64, 65, 130, 200, 17, 300, 128, 2, 99, 256, 257, 31, 
 
 
 def check_decode_attention(
-    dtype: torch.dtype, device: str, backend: str, split: int = 64, hq: int = 6, hkv: int = 2, d: int = 32
+    dtype: torch.dtype, device: str, split: int = 64, hq: int = 6, hkv: int = 2, d: int = 32
 ) -> None:
     seq_lens = torch.tensor(ATTN_SEQ_LENS, device=device)
     k, v, tables = make_cache(ATTN_SEQ_LENS, dtype, device, hkv=hkv, d=d)
     q = _rand(len(ATTN_SEQ_LENS), hq, d, dtype=dtype, device=device, seed=21)
-    attn = lambda q_, t_, s_: bi_paged_attention(q_, k, v, t_, s_, split_size=split, backend=backend)  # noqa: E731
+    attn = lambda q_, t_, s_: bi_paged_attention(q_, k, v, t_, s_, split_size=split)  # noqa: E731
     full = attn(q, tables, seq_lens)
     assert full.dtype == dtype and full.shape == q.shape
     assert_close_rel(full, reference_attention(q, k, v, tables, seq_lens), TOL[dtype])
@@ -268,7 +265,7 @@ def check_decode_attention(
         assert torch.equal(attn(q[:m], tables[:m], seq_lens[:m]), full[:m])
 
 
-def check_multi_query_attention(dtype: torch.dtype, device: str, backend: str, split: int = 64) -> None:
+def check_multi_query_attention(dtype: torch.dtype, device: str, split: int = 64) -> None:
     """A query's bits depend only on its position and the cache: a row of n queries (prefill/verify
     layout) equals n single-query decodes at those positions, and batching rows changes nothing."""
     lens = [150, 40, 260]
@@ -277,27 +274,25 @@ def check_multi_query_attention(dtype: torch.dtype, device: str, backend: str, s
     q = _rand(sum(counts), 4, k.shape[-1], dtype=dtype, device=device, seed=22)
     qsl = torch.tensor([0, 37, 77, 82], device=device)
     seq_lens = torch.tensor(lens, device=device)
-    full = bi_paged_attention(q, k, v, tables, seq_lens, qsl, split_size=split, backend=backend)
+    full = bi_paged_attention(q, k, v, tables, seq_lens, qsl, split_size=split)
     assert_close_rel(full, reference_attention(q, k, v, tables, seq_lens, qsl), TOL[dtype])
     rows, positions = query_layout(seq_lens, qsl, q.shape[0])
-    single = bi_paged_attention(
-        q, k, v, tables[rows], positions + 1, None, split_size=split, backend=backend
-    )  # T independent decodes
+    single = bi_paged_attention(q, k, v, tables[rows], positions + 1, None, split_size=split)  # T decodes
     assert torch.equal(single, full)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_is_batch_invariant_and_correct(dtype: torch.dtype) -> None:
-    check_decode_attention(dtype, "cpu", "tiles")
+    check_decode_attention(dtype, "cpu")
 
 
 def test_decode_attention_smollm2_heads() -> None:
-    check_decode_attention(torch.float32, "cpu", "tiles", split=256, hq=9, hkv=3, d=64)
+    check_decode_attention(torch.float32, "cpu", split=256, hq=9, hkv=3, d=64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_query_depends_only_on_its_position(dtype: torch.dtype) -> None:
-    check_multi_query_attention(dtype, "cpu", "tiles")
+    check_multi_query_attention(dtype, "cpu")
 
 
 def test_attention_rejects_bad_layouts() -> None:

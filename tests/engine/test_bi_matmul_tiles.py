@@ -32,8 +32,8 @@ def test_disagreeing_device_gets_one_fixed_shape(monkeypatch: pytest.MonkeyPatch
     assert shapes == {tm._FIXED[torch.bfloat16]}
 
 
-def test_kernel_id_names_the_buckets() -> None:
-    for _, tile in tm._BUCKETS:
+def test_kernel_id_names_every_16_bit_tile() -> None:
+    for tile in [tile for _, tile in tm._BUCKETS] + [tm._FIXED[torch.bfloat16], tm._FIXED[torch.float16]]:
         assert "x".join(map(str, tile)) in tm.KERNEL_ID
 
 

@@ -98,6 +98,7 @@ def test_runs_triton_kernels(make_llm: Any) -> None:
     fp = runtime_fingerprint(llm.config)
     assert fp["batch_invariant_kernels"] == "triton-paged-canonical" and "attention_split_size" not in fp
     assert fp["attention_kernel"].startswith("triton-paged") and fp["bi_matmul"].startswith("verbatim-bi-matmul")
+    assert fp["row_kernels"].startswith("verbatim-fused-rows")  # BatchInvariantOps runs triton_fused on CUDA
     from engine.attention.metadata import AttentionMetadata, PassKind
     from engine.attention.triton_paged import TritonPlan
 

@@ -109,3 +109,17 @@ def test_partial_sort_masks_equal_full_sort() -> None:
         scaled = np.round(rng.standard_normal(v) * rng.choice([0.1, 1.0, 5.0]), 1)  # many ties
         k, p = int(rng.choice([0, 1, 5, 50, 5000])), float(rng.choice([1.0, 0.01, 0.5, 0.9, 0.999]))
         assert np.array_equal(keep_mask(scaled, k, p), _full_sort_mask(scaled, k, p)), (v, k, p)
+
+
+def test_noise_keys_of_many_rows_equal_each_rows_key() -> None:
+    """The device sampler hashes all rows' keys in one call: each must be that row's noise_key, seeds over
+    the whole uint64 range included."""
+    from engine.sampling import noise_key, noise_keys
+
+    rng = np.random.default_rng(3)
+    seeds = [int(x) for x in rng.integers(0, 2**63, 50)] + [0, 2**63, 2**64 - 1]
+    positions = [int(x) for x in rng.integers(0, 10**6, len(seeds))]
+    keys = noise_keys(seeds, positions)
+    assert keys.dtype == np.uint64 and keys.shape == (len(seeds),)
+    assert [int(k) for k in keys] == [int(noise_key(s, p)[0]) for s, p in zip(seeds, positions)]
+    assert len(set(keys.tolist())) == len(seeds)
