@@ -97,7 +97,8 @@ class Scheduler:
     def _classify(self) -> tuple[list[Sequence], list[Sequence]]:
         """Running sequences that need a verify pass, and those that can take a fast-path token, in
         running order. Ready: teacher windows pending (rebuild / replay), or a DVR row whose candidates
-        are done. Decodable: FAST, or a DVR row still collecting candidates. One pass, one
+        are done. Decodable: FAST, or a DVR row that may still take candidates (collecting its window,
+        or running ahead of a ready one within dvr_lookahead: then it is in both lists). One pass, one
         `candidate_done` per DVR row."""
         window, eos, lookahead = self.config.window, self.eos_ids, self.config.dvr_lookahead  # resolved by the config
         ready: list[Sequence] = []
@@ -147,7 +148,7 @@ class Scheduler:
         budget, rows = self.config.max_num_batched_tokens, 0
         room = min(self.config.max_num_seqs - len(self.running), CANONICAL_PREFILL_ROWS)
         for seq in self.waiting:
-            n = len(prefill_item(seq).tokens)
+            n = prefill_len(seq)
             if n > budget or rows >= room:
                 return None
             if seq.kind != SeqKind.FAST:
@@ -163,7 +164,7 @@ class Scheduler:
         same P and any non-deterministic prompt, while they fit; the rest of the pass is dummy tokens. A
         row's bits depend only on its own tokens and P (every GEMM has M = P, the logits GEMM M = the row
         cap), so a prompt prefilled here, alone or packed, later or in a replay, gives the same bits."""
-        pass_tokens = canonical_prefill_tokens(self.config, len(prefill_item(anchor).tokens))
+        pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
         items: list[PrefillItem] = []
         budget = pass_tokens
         for seq in list(self.waiting):
@@ -246,6 +247,11 @@ def canonical_prefill_tokens(config: EngineConfig, prompt_len: int) -> int:
 
 def seq_key(seq: Sequence) -> str:
     return seq.key
+
+
+def prefill_len(seq: Sequence) -> int:
+    """len(prefill_item(seq).tokens), without copying the prompt (the planners size passes with it)."""
+    return len(seq.prompt) + (len(seq.tokens) - 1 if seq.kind == SeqKind.FAST and seq.tokens else 0)
 
 
 def prefill_item(seq: Sequence) -> PrefillItem:

@@ -21,11 +21,11 @@ class AttentionBackend(Protocol):
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]
-        k: torch.Tensor,  # [T, Hkv, D]
-        v: torch.Tensor,  # [T, Hkv, D]
+        k: torch.Tensor | None,  # [T, Hkv, D]; None (with v) only for a backend with kv_prewritten = True
+        v: torch.Tensor | None,  # [T, Hkv, D]
         k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
         v_cache: torch.Tensor,
         plan: Any,
         scale: float,
-    ) -> torch.Tensor:  # [T, Hq, D]; writes k, v to plan's slots first
-        """Write this pass's K/V into the cache, then attend."""
+    ) -> torch.Tensor:  # [T, Hq, D]; writes k, v to plan's slots first (when given)
+        """Write this pass's K/V into the cache (unless already written: k = v = None), then attend."""

@@ -136,7 +136,8 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
 ) -> None:
     """Scatter this pass's K/V ([T, Hkv, D]) into their cache slots before anyone attends (no host sync:
-    CUDA-graph capturable; every backend writes through this)."""
+    CUDA-graph capturable; every backend writes through this unless the ops wrote K/V in the RoPE launch,
+    see `kv_prewritten`)."""
     flat_shape = (-1, *k_cache.shape[2:])
     k_cache.view(flat_shape).index_copy_(0, slots, k.to(k_cache.dtype))
     v_cache.view(flat_shape).index_copy_(0, slots, v.to(v_cache.dtype))

@@ -87,7 +87,51 @@ def torch_rope(q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple
     return rope_rows(q, cos, sin), rope_rows(k, cos, sin)
 
 
-class TorchOps:
+class _FusedRowOps:
+    """The row ops both ops objects run as the Triton kernels of `triton_fused` where their `_fused(x)`
+    says so (CUDA), and otherwise as the subclass's reference (`_rms_norm_ref`, `_silu_mul_ref`)."""
+
+    def _fused(self, x: torch.Tensor) -> ModuleType | None:
+        raise NotImplementedError
+
+    def _rms_norm_ref(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _silu_mul_ref(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        fused = self._fused(x)
+        return self._rms_norm_ref(x, weight, eps) if fused is None else fused.rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        fused = self._fused(gate)
+        return self._silu_mul_ref(gate, up) if fused is None else fused.silu_mul(gate, up)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first (one IEEE add per
+        element, invariant anywhere); on CUDA both in the one fused row kernel."""
+        fused = self._fused(x)
+        if fused is None:
+            return torch_add_rms_norm(self, x, residual, weight, eps)  # type: ignore[arg-type]
+        return fused.add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Elementwise multiplies and adds (torch, or one Triton launch): the same bits in any position."""
+        fused = self._fused(q)
+        return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
+
+    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
+        """rope with the rotated k and v written into the paged caches at `slots` in the same launch
+        (the optional Ops method, see Ops) -> the rotated q; None, touching nothing, where the row ops are
+        not the Triton kernels: the caller then does rope + the backend's write."""
+        fused = self._fused(q)
+        return None if fused is None else fused.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
+
+
+class TorchOps(_FusedRowOps):
     """torch GEMMs: the normal (shape-dependent) path. Same semantics as BatchInvariantOps.
 
     row_kernels="auto": the row ops of CUDA tensors run as Triton kernels (engine.kernels.triton_fused);
@@ -112,44 +156,20 @@ class TorchOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return F.linear(x, weight, bias)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        fused = self._fused(x)
-        return rms_norm_rows(x, weight, eps) if fused is None else fused.rms_norm(x, weight, eps)
+    def _rms_norm_ref(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm_rows(x, weight, eps)
 
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rms_norm(x + residual), x + residual), the sum rounded to x's dtype first."""
-        fused = self._fused(x)
-        if fused is None:
-            return torch_add_rms_norm(self, x, residual, weight, eps)
-        return fused.add_rms_norm(x, residual, weight, eps)
+    def _silu_mul_ref(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x.float(), dim=-1).to(x.dtype)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        fused = self._fused(gate)
-        if fused is None:
-            return (F.silu(gate.float()) * up.float()).to(gate.dtype)
-        return fused.silu_mul(gate, up)
-
-    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fused = self._fused(q)
-        return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
-
-    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """rope with the rotated k and v written into the paged caches at `slots` in the same launch
-        (the optional Ops method, see Ops) -> the rotated q; None, touching nothing, where the row ops are
-        not the Triton kernels (CPU, row_kernels="torch"): the caller then does rope + the backend's write."""
-        fused = self._fused(q)
-        return None if fused is None else fused.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
 
 
 TORCH_OPS = TorchOps()
 
 
-class BatchInvariantOps:
+class BatchInvariantOps(_FusedRowOps):
     """Ops whose per-row result never depends on the number or content of the other rows.
 
     backend="auto": Triton kernels for CUDA tensors, fixed-shape torch tiles elsewhere (CPU);
@@ -186,9 +206,11 @@ class BatchInvariantOps:
 
         return triton_fused
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        fused = self._fused(x)
-        return tiles.tile_rms_norm(x, weight, eps) if fused is None else fused.rms_norm(x, weight, eps)
+    def _rms_norm_ref(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return tiles.tile_rms_norm(x, weight, eps)
+
+    def _silu_mul_ref(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return tiles.tile_silu_mul(gate, up)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         if not self._use_triton(x):
@@ -196,31 +218,6 @@ class BatchInvariantOps:
         from engine.kernels.triton_rows import triton_log_softmax
 
         return triton_log_softmax(x)
-
-    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        fused = self._fused(gate)
-        return tiles.tile_silu_mul(gate, up) if fused is None else fused.silu_mul(gate, up)
-
-    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The residual add is one IEEE add per element (invariant anywhere); the norm is this object's
-        (on CUDA both in the one fused row kernel)."""
-        fused = self._fused(x)
-        if fused is None:
-            return torch_add_rms_norm(self, x, residual, weight, eps)
-        return fused.add_rms_norm(x, residual, weight, eps)
-
-    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Elementwise multiplies and adds (torch on tiles, one Triton launch on CUDA): the same bits in any
-        position."""
-        fused = self._fused(q)
-        return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
-
-    def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
-                      k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:
-        """As TorchOps.rope_write_kv (the optional Ops method): the Triton launch on CUDA, None on tiles."""
-        fused = self._fused(q)
-        return None if fused is None else fused.rope_write_kv(q, k, v, cos_sin, k_cache, v_cache, slots)
 
 
 def bi_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

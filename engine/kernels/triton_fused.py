@@ -1,4 +1,5 @@
-"""Fused row kernels for the decode fast path: residual add + RMSNorm, SwiGLU, RoPE on q and k.
+"""Fused row kernels of every CUDA pass (TorchOps and BatchInvariantOps): residual add + RMSNorm, SwiGLU,
+RoPE on q and k (optionally writing K and V into the paged cache in the same launch).
 
 Imported lazily (engine.kernels.ops loads it on the first CUDA call); under TRITON_INTERPRET=1 the
 kernels also run on CPU tensors, which is how the CPU tests check them.
