@@ -18,7 +18,9 @@ Sections (each recorded on its own; a failing section records its error and the 
                    mix and fixed 1k-in/256-out
   compare_modes_synthetic_long  the same, fixed 4k-in/1k-out (few requests: six modes in one call)
   wg_sweep         SmolLM2, all deterministic: W in 16/32/64 x G in 4/8/16/32, throughput and recompute
-Presets for --sections: core, modes, sweep, long, all (SECTION_PRESETS).
+  bi_breakdown     batch_invariant numerics vs the model's on the 8B: graphed decode, 4096-token prefill,
+                   kernel profiles
+Presets for --sections: core, modes, sweep, bi, long, all (SECTION_PRESETS).
 Time: --deadline-s bounds the whole run, --budget-s single sections; work that would pass them is
 skipped or capped and its section says "truncated": true. One progress line per subsection.
 Results: <out>/<name>.json and <out>/<name>.png, both rewritten after every section (and the JSON after
@@ -62,9 +64,10 @@ SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "all": ALL_SECTIONS,
 }
 BLOCK_SIZE = EngineConfig.block_size  # the engine's default: the bench sizes num_kv_blocks in it too
-# Rollbacks per committed token on SmolLM2 at W=32 (greedy, DVR decode rows on the split-KV kernel), from
-# bench/results/gpu-bench-modes.json (H200, 2026-11-29): the injected rate when this run did not measure it.
-COMMITTED_SMOLLM2_FAULT_RATE = 0.00830078125
+# Rollbacks per committed token on SmolLM2 at W=32 (greedy, canonical DVR decode rows, the CUDA default),
+# from bench/results/2026-11-29-s3/gpu-bench-rollback.json (H200, 256 prompts: W32-canonical, 0 rollbacks):
+# the injected rate when this run did not measure it.
+COMMITTED_SMOLLM2_FAULT_RATE = 0.0
 
 
 @dataclass
@@ -168,7 +171,8 @@ def environment(argv: list[str]) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0), "sm_count": props.multi_processor_count,
         "total_memory_gib": round(props.total_memory / 2**30, 1),
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "command": "python -m engine.bench_gpu " + " ".join(argv),
+        # the command line as typed (`python -m engine bench ...` or `python -m engine.bench_gpu ...`)
+        "command": " ".join(["python", *sys.orig_argv[1:]]) if sys.orig_argv else " ".join(argv),
         "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
     }
     for mod in ("triton", "transformers"):
@@ -390,26 +394,16 @@ def bench_decode_breakdown(ctx: Ctx) -> dict[str, Any]:
 
 
 def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
-    """Graphed decode step with the model's ops vs cuBLAS GEMMs + the one-kernel Triton RMSNorm / SwiGLU
-    of engine.kernels (a weight-sharing view): how much the row-op kernel count costs."""
-    from engine.kernels import TORCH_OPS, BatchInvariantOps
-
-    class RowKernelOps(type(TORCH_OPS)):  # GEMMs stay cuBLAS; norms and SwiGLU one Triton kernel each
-        name = "torch+triton-rows"
-        _bi = BatchInvariantOps("triton")
-
-        def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-            return self._bi.rms_norm(x, weight, eps)
-
-        def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-            return self._bi.silu_mul(gate, up)
+    """Graphed decode step with the model's ops (fused Triton row kernels on CUDA) vs the same model with
+    torch row ops (TorchOps(row_kernels="torch"), a weight-sharing view): what the row-kernel fusion buys."""
+    from engine.kernels import TorchOps
 
     context, batches = ctx.args.context, (1, max(ctx.args.batches))
     nb = -(-(context + 16) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + max(batches) * nb, BLOCK_SIZE)
     fill_cache_(kv, seed=2)
     out: dict[str, Any] = {}
-    for label, m in (("model_ops", model), ("triton_row_ops", model.with_numerics(RowKernelOps(), model.attention))):
+    for label, m in (("model_ops", model), ("torch_row_ops", model.with_numerics(TorchOps("torch"), model.attention))):
         for b, ms in _graphed_decode_ms(ctx, m, kv, batches, nb).items():
             out[f"{label}_b{b}_ms"] = ms
     del kv
@@ -445,7 +439,7 @@ def _profile_decode_kernels(ctx: Ctx, model: Any, batch: int = 1, prefill_tokens
     nb = -(-(max(context, 256) + 16) // BLOCK_SIZE)
     n_rows = -(-prefill_tokens // 256) if prefill_tokens else batch
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + n_rows * nb, BLOCK_SIZE)
-    tables = [list(range(RESERVED_BLOCKS + r * nb, RESERVED_BLOCKS + (r + 1) * nb)) for r in range(n_rows)]
+    tables = contiguous_tables(n_rows, nb)
     if prefill_tokens:
         rows = [RowSpec(t, 0, 256) for t in tables]
         kind = PassKind.PREFILL

@@ -36,7 +36,10 @@ def test_parse_args_defaults() -> None:
     args = bg.parse_args(["--device", "cuda", "--sections", "modes,long", "--budget-s", "wg_sweep=5"])
     assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
                                   "compare_modes_synthetic_long"]
-    assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE
+    # the default injected rate is the committed SmolLM2 measurement the constant cites
+    rollback = Path(__file__).resolve().parents[2] / "bench/results/2026-11-29-s3/gpu-bench-rollback.json"
+    w32 = json.loads(rollback.read_text())["smollm2_rollback"]["runs"]["W32-canonical"]
+    assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
     assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256"]
     assert args.rollback_decode_attention == ["canonical", "split"]
     assert bg.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
@@ -119,8 +122,10 @@ def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: A
 
 
 def test_summary_reads_committed_results() -> None:
-    """Every committed GPU bench result, the current runs (2026-11-29-s2-final/) and the older ones."""
+    """Every committed GPU bench result at any depth (the third session's runs sit in per-commit folders,
+    2026-11-29-s3/at-<commit>/), the older ones included."""
     results = Path(__file__).resolve().parents[2] / "bench" / "results"
-    paths = sorted(results.glob("gpu-bench-*.json")) + sorted(results.glob("*/gpu-bench-*.json"))
+    paths = sorted(results.rglob("gpu-bench-*.json"))
+    assert any("at-0c7caef" in str(p) for p in paths) and len(paths) >= 15, paths
     for path in paths:
         assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
