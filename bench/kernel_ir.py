@@ -1,0 +1,75 @@
+"""SHA-256 of the sm_90 LLVM IR of the attention kernels, lowered on the CPU (no GPU needed).
+
+    python bench/kernel_ir.py [SOURCE_ROOT]      # default: this checkout
+
+SOURCE_ROOT is a checkout (or `git archive` of a commit) whose engine/ is imported. Triton lowers each
+kernel through its TTIR, TTGIR and LLVM passes for an sm_90 target with the launch's warps and stages;
+only ptxas is left, so equal hashes at two commits mean the GPU runs the same code. Debug metadata
+(source lines) is stripped before hashing. Kernels a checkout lacks print as "absent".
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32", "mid_o_ptr": "*fp32",
+        "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
+PAGED = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
+             HAS_ROW_MASK=True, CHUNK=256, GROUP=4)
+SPLIT = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
+             DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4)
+KERNELS = [  # (name, module, attribute, constexprs: the Llama-3.1-8B shapes, as the engine launches them)
+    ("decode_split", "engine.attention.triton_paged_kernels", "_decode_split_kernel", SPLIT),
+    ("decode_split_nomask", "engine.attention.triton_paged_kernels", "_decode_split_kernel",
+     dict(SPLIT, HAS_ROW_MASK=False)),
+    ("prefill", "engine.attention.triton_paged_kernels", "_prefill_kernel", PAGED),
+    ("canonical_decode", "engine.attention.triton_canonical_decode", "_canonical_decode_kernel", PAGED),
+]
+
+
+def llvm_ir(kernel: Any, constexprs: dict[str, Any], warps: int = 4, stages: int = 2) -> str:
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.compiler.compiler import Language, make_backend
+
+    params = inspect.signature(kernel.fn).parameters
+    consts = {k: v for k, v in constexprs.items() if k in params}
+    signature = {n: "constexpr" if n in consts else PTRS.get(n, "*bf16" if n.endswith("_ptr") else
+                                                               "fp32" if n == "qk_scale" else "i32")
+                 for n in params}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({"num_warps": warps, "num_stages": stages})
+    ctx = ir.context()
+    ir.load_dialects(ctx)
+    backend.load_dialects(ctx)
+    module = ASTSource(fn=kernel, signature=signature, constexprs=consts).make_ir(
+        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
+    stages_: dict[str, Any] = {}
+    backend.add_stages(stages_, options, Language.TRITON)
+    md: dict[str, Any] = {}
+    text = str(stages_["llir"](stages_["ttgir"](stages_["ttir"](module, md), md), md))
+    text = re.sub(r", !dbg ![0-9]+", "", text)
+    return "\n".join(line for line in text.splitlines() if not line.startswith("!"))
+
+
+def main() -> None:
+    root = Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]).resolve()
+    sys.path.insert(0, str(root))
+    for name, module, attr, consts in KERNELS:
+        try:
+            kernel = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            print(f"{name:22s} absent")
+            continue
+        print(f"{name:22s} {hashlib.sha256(llvm_ir(kernel, consts).encode()).hexdigest()[:16]}")
+
+
+if __name__ == "__main__":
+    main()
