@@ -32,7 +32,12 @@ KERNELS = [  # (name, module, attribute, constexprs: the Llama-3.1-8B shapes, as
 ]
 
 
-def llvm_ir(kernel: Any, constexprs: dict[str, Any], warps: int = 4, stages: int = 2) -> str:
+def lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None = None, *, llvm: bool = False,
+          warps: int = 4, stages: int = 2) -> str:
+    """Triton IR of `kernel` for sm_90 (the front end), or with llvm=True its LLVM IR (the TTIR, TTGIR and
+    LLVM passes: layouts, pipelining, shared-memory allocation); only ptxas needs the GPU. Pointer
+    arguments default to bf16 (PTRS and `types` override), `qk_scale` / `eps` / `scale` to fp32, the rest
+    to i32; constexprs the kernel does not declare are ignored. Also used by tests/engine/test_triton_lowering.py."""
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -40,8 +45,10 @@ def llvm_ir(kernel: Any, constexprs: dict[str, Any], warps: int = 4, stages: int
 
     params = inspect.signature(kernel.fn).parameters
     consts = {k: v for k, v in constexprs.items() if k in params}
-    signature = {n: "constexpr" if n in consts else PTRS.get(n, "*bf16" if n.endswith("_ptr") else
-                                                               "fp32" if n == "qk_scale" else "i32")
+    types = {**PTRS, **(types or {})}
+    signature = {n: "constexpr" if n in consts else types.get(n, "*bf16" if n.endswith("_ptr") else
+                                                                 "fp32" if n in ("qk_scale", "eps", "scale")
+                                                                 else "i32")
                  for n in params}
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
@@ -51,11 +58,17 @@ def llvm_ir(kernel: Any, constexprs: dict[str, Any], warps: int = 4, stages: int
     backend.load_dialects(ctx)
     module = ASTSource(fn=kernel, signature=signature, constexprs=consts).make_ir(
         target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
-    stages_: dict[str, Any] = {}
-    backend.add_stages(stages_, options, Language.TRITON)
+    if not llvm:
+        return str(module)
+    passes: dict[str, Any] = {}
+    backend.add_stages(passes, options, Language.TRITON)
     md: dict[str, Any] = {}
-    text = str(stages_["llir"](stages_["ttgir"](stages_["ttir"](module, md), md), md))
-    text = re.sub(r", !dbg ![0-9]+", "", text)
+    return str(passes["llir"](passes["ttgir"](passes["ttir"](module, md), md), md))
+
+
+def llvm_ir(kernel: Any, constexprs: dict[str, Any]) -> str:
+    """lower(..., llvm=True) without debug metadata (source lines), for hashing."""
+    text = re.sub(r", !dbg ![0-9]+", "", lower(kernel, constexprs, llvm=True))
     return "\n".join(line for line in text.splitlines() if not line.startswith("!"))
 
 

@@ -8,7 +8,10 @@ engine launches it with, for a Hopper target, without a GPU; code generation for
 """
 from __future__ import annotations
 
-import inspect
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,47 +19,17 @@ import pytest
 triton = pytest.importorskip("triton")
 
 
-def _lower(kernel: Any, constexprs: dict[str, Any], types: dict[str, str] | None = None, *, llvm: bool = False,
-           warps: int = 4, stages: int = 2) -> str:
-    """Triton IR of `kernel` for sm_90 (the front end), or with llvm=True its LLVM IR (the TTIR, TTGIR
-    and LLVM passes: layouts, pipelining, shared-memory allocation); only ptxas needs the GPU."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.compiler.compiler import Language, make_backend
-
-    types = types or {}
-    signature: dict[str, str] = {}
-    for name in inspect.signature(kernel.fn).parameters:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in types:
-            signature[name] = types[name]
-        elif name.endswith("_ptr"):
-            signature[name] = "*bf16"
-        elif name in ("qk_scale", "eps", "scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
-    target = GPUTarget("cuda", 90, 32)
-    backend = make_backend(target)
-    options = backend.parse_options({"num_warps": warps, "num_stages": stages})
-    ctx = ir.context()
-    ir.load_dialects(ctx)
-    backend.load_dialects(ctx)
-    module = ASTSource(fn=kernel, signature=signature, constexprs=constexprs).make_ir(
-        target, options, backend.get_codegen_implementation(options), backend.get_module_map(), ctx)
-    if not llvm:
-        return str(module)
-    passes: dict[str, Any] = {}
-    backend.add_stages(passes, options, Language.TRITON)
-    metadata: dict[str, Any] = {}
-    return str(passes["llir"](passes["ttgir"](passes["ttir"](module, metadata), metadata), metadata))
+def _load_kernel_ir() -> Any:
+    spec = importlib.util.spec_from_file_location("kernel_ir", ROOT / "bench" / "kernel_ir.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-PAGED_PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32",
-              "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "mid_m_ptr": "*fp32",
-              "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
+ROOT = Path(__file__).resolve().parents[2]
+_lower = _load_kernel_ir().lower  # bench/kernel_ir.py's lowering (Triton IR, or LLVM IR with llvm=True)
+
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
@@ -67,7 +40,7 @@ def test_decode_split_kernel_lowers(fused_merge: bool, group: int, head_dim: int
     consts = dict(BLOCK_SIZE=16, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64,
                   SPLIT=512, DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=fused_merge,
                   MERGE_PAD=triton.next_power_of_2(group))
-    assert "tt.func" in _lower(k._decode_split_kernel, consts, PAGED_PTRS)
+    assert "tt.func" in _lower(k._decode_split_kernel, consts)
 
 
 @pytest.mark.parametrize("row_mask", [True, False])
@@ -77,8 +50,8 @@ def test_prefill_and_canonical_decode_kernels_lower(row_mask: bool) -> None:
 
     common = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
                   HAS_ROW_MASK=row_mask, CHUNK=256)
-    assert "tt.func" in _lower(k._prefill_kernel, dict(common, GROUP=4), PAGED_PTRS)
-    assert "tt.func" in _lower(cd._canonical_decode_kernel, dict(common, GROUP=4), PAGED_PTRS)
+    assert "tt.func" in _lower(k._prefill_kernel, dict(common, GROUP=4))
+    assert "tt.func" in _lower(cd._canonical_decode_kernel, dict(common, GROUP=4))
 
 
 @pytest.mark.parametrize("write_kv", [True, False])
@@ -139,4 +112,14 @@ def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
                  DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4)
     for kernel, consts in ((k._prefill_kernel, paged), (cd._canonical_decode_kernel, paged),
                            (k._decode_split_kernel, split)):
-        assert "define ptx_kernel void" in _lower(kernel, consts, PAGED_PTRS, llvm=True)
+        assert "define ptx_kernel void" in _lower(kernel, consts, llvm=True)
+
+
+def test_kernel_ir_script_hashes_every_attention_kernel_of_this_checkout() -> None:
+    """`python bench/kernel_ir.py` (the README's check that main's kernels are the GPU-run commits')."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_ir.py")], capture_output=True, text=True,
+                         timeout=600, check=True).stdout.split("\n")
+    hashes = dict(line.split() for line in out if line.strip())
+    assert set(hashes) == {"decode_split", "decode_split_nomask", "prefill", "canonical_decode"}, out
+    assert all(len(h) == 16 and h != "absent" for h in hashes.values()), hashes
+    assert hashes["decode_split"] != hashes["decode_split_nomask"]
