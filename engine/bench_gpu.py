@@ -587,10 +587,13 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
     params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
     out: dict[str, Any] = ctx.open({})
-    for label, graphs in (("eager", False), ("decode_graphs", True)):
+    # decode_graphs = the default engine (overlap on); decode_graphs_no_overlap: the host reads every
+    # step's tokens before planning the next (the engine before overlap)
+    for label, graphs, overlap in (("eager", False, True), ("decode_graphs_no_overlap", True, False),
+                                   ("decode_graphs", True, True)):
         if not ctx.has_time(20, label):
             break
-        llm = LLM.from_parts(replace(config, cuda_graphs=graphs), model, shape, eos_ids=set())
+        llm = LLM.from_parts(replace(config, cuda_graphs=graphs, overlap=overlap), model, shape, eos_ids=set())
         if graphs:
             out["graph_hook"] = llm.core.runner.graphs_status
         out[label] = _drive(ctx, llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}",
@@ -968,6 +971,9 @@ def sharegpt_like_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
     return [int(round(math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo))))) for x in u.tolist()]
 
 
+WARMUP_TOKENS = 4  # per request, in each mode's untimed warm-up
+
+
 def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[list[int]], out_lens: list[int],
                cap_s: float, tag: str, modes: dict[str, Any]) -> dict[str, Any]:
     """Each mode on the same requests (an evenly spread `share` of them deterministic): tok/s, p50/p99
@@ -985,6 +991,15 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
             continue
         n_det = round(share * len(prompts))
         det_ids = set(range(0, len(prompts), max(1, round(len(prompts) / n_det)))[:n_det]) if n_det else set()
+        # untimed warm-up on the same prompts (a few tokens each): Triton compiles this mode's kernels for
+        # these prompt shapes here, not inside the timed run (the first mode timed at main 7c6ca43 was
+        # 2.7x slower than a warm run for that reason)
+        warm = [llm.core.add_request(f"{tag}-{name}-warm-{i}", p, SamplingParams(
+            max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
+            for i, p in enumerate(prompts)]
+        while any(not s.is_finished for s in warm) or llm.core.has_work():
+            llm.core.step()
+        del warm
         seqs = [llm.core.add_request(f"{tag}-{name}-{i}", p, SamplingParams(
             max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
             for i, (p, m) in enumerate(zip(prompts, out_lens))]
@@ -1004,7 +1019,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
         modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
                        "attention": getattr(llm.core.runner.model.attention, "name", None),
                        "dvr_decode_attention": llm.config.dvr_decode_attention,
-                       "dvr_lookahead": llm.config.dvr_lookahead,
+                       "dvr_lookahead": llm.config.dvr_lookahead, "overlap": llm.config.overlap,
+                       "warmup_tokens_per_request": WARMUP_TOKENS,
                        "canonical_prefill_min_tokens": llm.config.canonical_prefill_min_tokens,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,

@@ -54,6 +54,10 @@ class EngineConfig:
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
                                         # candidates past the window (None: W-1; 0: wait idle). Never changes
                                         # committed bits, only how much fast-path work a rollback discards.
+    overlap: bool | None = None         # decode steps run one step ahead of the host: the next step is planned
+                                        # and launched (its input ids taken from the device) before this one's
+                                        # tokens are read. None: on for CUDA, off on the CPU. Never changes a
+                                        # committed token of a deterministic request.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -98,6 +102,9 @@ class EngineConfig:
             object.__setattr__(self, "canonical_prefill_min_tokens", self.max_num_batched_tokens if on_cuda else 64)
         _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",
                f"must be >= 1, got {self.canonical_prefill_min_tokens}")
+        if self.overlap is None:
+            object.__setattr__(self, "overlap", on_cuda)
+        _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical" if on_cuda else "split")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",

@@ -3,6 +3,14 @@
     step():  plan = scheduler.schedule()
              run the plan's pass (prefill | decode | verify) on the model runner
              sample with the counter-based sampler, commit / roll back, finish, free KV
+
+Overlap (`EngineConfig.overlap`, on for CUDA): a decode step's tokens stay on the device while the host
+plans and launches the next decode step (`Scheduler.chained_decode`), whose input ids are copied from
+them device to device; only then are they read and committed. The GPU never waits for the host between
+consecutive decode steps. Any other step (prefill, verify, preemption) first reads the in-flight tokens.
+
+    step N:    launch decode N ......................................... (GPU runs N)
+    step N+1:  plan N+1 | launch N+1 (ids <- tokens of N) | read N, commit  (GPU runs N+1)
 """
 from __future__ import annotations
 
@@ -16,7 +24,7 @@ import numpy as np
 
 from engine.config import EngineConfig, Mode
 from engine.model_runner import ModelRunner, ModelShape, PagedModel, Row
-from engine.sampling import SampleResult, SamplingParams, sample_rows, splitmix64
+from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, apply_dvr, apply_teacher
@@ -40,6 +48,15 @@ class EngineStats:
     verify_seconds: float = 0.0
 
 
+@dataclass
+class InflightDecode:
+    """A launched decode step whose samples have not been applied to its sequences yet."""
+
+    seqs: list[Sequence]
+    samples: PendingSamples
+    row_of: dict[str, int]   # seq key -> its row in this step (the next step's input ids come from there)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
                  detokenize: Detokenize | None = None) -> None:
@@ -54,6 +71,7 @@ class EngineCore:
         self.seqs: dict[str, Sequence] = {}
         self.totals = EngineStats()
         self._arrivals = 0
+        self._inflight: InflightDecode | None = None
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -108,7 +126,7 @@ class EngineCore:
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._inflight is not None
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -123,11 +141,19 @@ class EngineCore:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One pass. Returns the sequences whose committed state changed (or finished)."""
-        plan = self.scheduler.schedule()
+        touched: list[Sequence] = []
+        plan = self.scheduler.chained_decode() if self._inflight is not None else None
+        if plan is None:
+            touched += self._retire(self._settle())
+            plan = self.scheduler.schedule()
         run = {StepKind.PREFILL: self._prefill, StepKind.DECODE: self._decode,
                StepKind.VERIFY: self._verify, StepKind.IDLE: lambda p: []}[plan.kind]
-        touched = run(plan)
+        touched += self._retire(run(plan))
         self.totals.steps += 1
+        return touched
+
+    def _retire(self, touched: list[Sequence]) -> list[Sequence]:
+        """Release the finished ones among `touched` (their KV, their scheduler slot)."""
         for seq in touched:
             if seq.is_finished:
                 self.scheduler.remove(seq)
@@ -160,20 +186,52 @@ class EngineCore:
             self._commit(seq, res.token, res)
 
     def _decode(self, plan: Plan) -> list[Sequence]:
+        """Launch the step (input ids of rows whose last token is in flight come from the device), then
+        apply the in-flight step before it, then this one unless it can stay in flight."""
         for seq in plan.decode:
             assert seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len, seq.num_tokens)
+        prev = self._inflight
         canonical = self.runner.canonical_decode  # False unless DVR mode with canonical decode
-        rows = [Row([s.last_token], s.kv_len, self._table(s), canonical and s.kind != SeqKind.FAST)
+        rows = [Row([0 if s.inflight else s.last_token], s.kv_len, self._table(s), canonical and s.kind != SeqKind.FAST)
                 for s in plan.decode]
-        logits = self.runner.decode(rows)  # [R, vocab]
+        chain = None
+        if prev is not None:
+            dst = [j for j, s in enumerate(plan.decode) if s.inflight]
+            chain = (prev.samples.tokens, dst, [prev.row_of[plan.decode[j].key] for j in dst])
+        assert chain is not None or all(s.inflight == 0 for s in plan.decode), "an in-flight token with no step"
+        logits = self.runner.decode(rows, chain=chain)  # [R, vocab]
         self.totals.decode_passes += 1
-        results = sample_rows(logits, [(s.params, s.seed, s.num_tokens) for s in plan.decode])
-        touched = []
-        for seq, res in zip(plan.decode, results):
+        specs = [(s.params, s.seed, s.num_tokens) for s in plan.decode]
+        for seq in plan.decode:
             seq.kv_len += 1
+            seq.inflight += 1
+        deferred = sample_rows_deferred(logits, specs) if self.config.overlap else None
+        if deferred is None:  # sampled now (overlap off, or a row needs the host sampler)
+            samples = PendingSamples(None, ready=sample_rows(logits, specs))
+        touched = self._settle()
+        self._inflight = InflightDecode(list(plan.decode), deferred or samples,
+                                        {s.key: j for j, s in enumerate(plan.decode)})
+        if deferred is None:
+            touched += self._settle()
+        return touched
+
+    def _settle(self) -> list[Sequence]:
+        """Apply the in-flight decode step's samples (waits for them): commit (non-deterministic rows) or
+        append candidates (DVR rows). Rows that finished or were aborted meanwhile drop theirs, and so
+        does a DVR row whose previous candidate is a stop token (it decoded one step past it)."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return []
+        touched = []
+        for seq, res in zip(step.seqs, step.samples.results()):
+            seq.inflight -= 1
+            if seq.status != SeqStatus.RUNNING:
+                continue
             if seq.kind == SeqKind.FAST:
                 self._commit(seq, res.token, res)
                 touched.append(seq)
+            elif seq.candidates and seq.params.is_stop_token(seq.candidates[-1], self.eos_ids):
+                seq.kv_len -= 1
             else:
                 seq.candidates.append(self._maybe_fault(seq, res.token))
                 if seq.ready_since is None and candidate_done(seq, self.config.window, self.eos_ids):
@@ -238,7 +296,8 @@ class EngineCore:
         rate = self.config.fault_rate
         if rate == 0.0:
             return token
-        key = np.array([self.config.fault_seed, seq.seed, seq.num_tokens, seq.verify_passes], dtype=np.uint64)
+        position = seq.prompt_len + len(seq.tokens) + len(seq.candidates)  # this candidate's position
+        key = np.array([self.config.fault_seed, seq.seed, position, seq.verify_passes], dtype=np.uint64)
         h = int(splitmix64(np.array([int(np.bitwise_xor.reduce(splitmix64(key)))], dtype=np.uint64))[0])
         if (h >> 11) * 2.0 ** -53 >= rate:
             return token

@@ -24,7 +24,7 @@ bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -170,11 +170,12 @@ class DecodeGraphs:
         graphs.capture()
         return graphs
 
-    def run_rows(self, rows: Sequence[Any]) -> torch.Tensor | None:
+    def run_rows(self, rows: Sequence[Any], patch_ids: Callable[[torch.Tensor], None] | None = None
+                 ) -> torch.Tensor | None:
         """`run` for model-runner rows (`.tokens` = [last token], `.start_pos`, `.block_table`, `.canonical`)."""
         starts = [r.start_pos for r in rows]
         return self.run([r.tokens[0] for r in rows], starts, [p + 1 for p in starts], [r.block_table for r in rows],
-                        [r.canonical for r in rows] if self.canonical else None)
+                        [r.canonical for r in rows] if self.canonical else None, patch_ids)
 
     def _forward(self, rows: int) -> torch.Tensor:
         ids, pos, slots, lens, tables, qsl = self.static.views(rows)
@@ -206,11 +207,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: Sequence[int], positions: Sequence[int], seq_lens: Sequence[int],
-            tables: Sequence[Sequence[int]], canonical: Sequence[int] | None = None) -> torch.Tensor | None:
+            tables: Sequence[Sequence[int]], canonical: Sequence[int] | None = None,
+            patch_ids: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor | None:
         """Logits Float32[len(ids), vocab] (a view of the graph's static output; copy before the next
         run), or None when this step cannot use a graph (batch or block table too large). Stages into
         the static buffers and replays: nothing is allocated on the device. `canonical`: per-row flags
-        for AttentionMetadata.canonical_rows (used only by graphs captured with `canonical=True`)."""
+        for AttentionMetadata.canonical_rows (used only by graphs captured with `canonical=True`).
+        `patch_ids(ids)`: rewrites the staged input ids Int64[rows] on the device before the replay
+        (ids taken from the previous step's device tokens)."""
         rows = self.padded_size(len(ids))
         if rows is None or rows not in self.graphs or _widest(tables) > self.max_blocks:
             return None
@@ -218,6 +222,8 @@ class DecodeGraphs:
         slots = [t[p // bs] * bs + p % bs for t, p in zip(tables, positions)]
         self.static.stage(rows, ids, positions, slots, seq_lens, tables, self.scratch_slot, self.zero_block,
                           canonical)
+        if patch_ids is not None:
+            patch_ids(self.static.i64[0, : len(ids)])
         self.graphs[rows].replay()
         return self.logits[rows][: len(ids)]
 

@@ -50,6 +50,9 @@ class Row:
 
 DUMMY_TOKEN = 0
 
+Chain = tuple["torch.Tensor | None", list[int], list[int]]
+"""(tokens Int64[R'] of the previous decode step on the device, dst rows, src rows): see ModelRunner.decode."""
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -111,16 +114,30 @@ class ModelRunner:
         return self.model.compute_logits(hidden[idx]).float()[: len(rows)]
 
     @torch.inference_mode()
-    def decode(self, rows: list[Row]) -> torch.Tensor:
+    def decode(self, rows: list[Row], chain: Chain | None = None) -> torch.Tensor:
         """Float32[len(rows), vocab]. Under CUDA graphs a view of the graph's static output, so it is valid
-        only until the next `decode` call: consume it (sample) before then, or copy it."""
+        only until the next `decode` call: consume it (sample) before then, or copy it.
+
+        chain = (tokens, dst, src): row dst[i]'s input id is tokens[src[i]], a token of the previous step
+        still on the device (engine overlap); those rows' host ids are placeholders."""
         assert all(len(r.tokens) == 1 for r in rows)
         if self.decode_graphs is not None:
-            logits = self.decode_graphs.run_rows(rows)  # None: batch or block table past the captured sizes
+            # None: batch or block table past the captured sizes
+            logits = self.decode_graphs.run_rows(rows, lambda ids: self._chain_ids(ids, chain))
             if logits is not None:
                 return logits.float()  # already float32: no copy
-        hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None)
+        hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None, chain=chain)
         return self.model.compute_logits(hidden).float()
+
+    def _chain_ids(self, ids: torch.Tensor, chain: Chain | None) -> None:
+        """ids[dst] = tokens[src] on the device (queued behind the step that samples `tokens`)."""
+        if chain is None or not chain[1]:
+            return
+        tokens, dst, src = chain
+        assert tokens is not None, "a chained decode needs the previous step's device tokens"
+        dst_t = torch.tensor(dst, dtype=torch.int64).to(ids.device, non_blocking=True)
+        src_t = torch.tensor(src, dtype=torch.int64).to(ids.device, non_blocking=True)
+        ids.index_copy_(0, dst_t, tokens.index_select(0, src_t))
 
     @torch.inference_mode()
     def verify(self, rows: list[Row]) -> torch.Tensor:
@@ -167,13 +184,14 @@ class ModelRunner:
         else:
             self.graphs_status += "; verify eager (graph not bit-exact)"
 
-    def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None
-                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+    def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None,
+                 chain: Chain | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         lay = self._layout(rows, pad_to)
         canonical = None
         if kind == PassKind.DECODE and self.canonical_decode:
             canonical = _int32([r.canonical for r in rows])
         input_ids, positions, meta = self._to_device(kind, lay, canonical)
+        self._chain_ids(input_ids, chain)
         return self.model(input_ids, positions, meta, self.kv), meta
 
     def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None

@@ -188,14 +188,71 @@ def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int
     return [sample_row(host[r], p, s, pos) for r, (p, s, pos) in zip(rows, specs)]
 
 
+class PendingSamples:
+    """Samples of a launched pass whose values have not been read on the host yet (engine overlap).
+
+    `tokens` (Int64[R], on the logits' device; None when already read) can feed the next pass's input ids at once, device to
+    device; `results()` waits for the copies to the host and gives the same SampleResults `sample_rows`
+    would. On the CPU everything is computed at construction and `results()` returns it."""
+
+    def __init__(self, tokens: torch.Tensor | None, logprobs: torch.Tensor | None = None,
+                 ready: list[SampleResult] | None = None) -> None:
+        self.tokens = tokens
+        self._ready = ready
+        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._event: torch.cuda.Event | None = None
+        if ready is None:
+            assert tokens is not None and logprobs is not None and tokens.is_cuda
+            tok_h = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            lp_h = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+            tok_h.copy_(tokens, non_blocking=True)
+            lp_h.copy_(logprobs, non_blocking=True)
+            self._host = (tok_h, lp_h)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def results(self) -> list[SampleResult]:
+        if self._ready is None:
+            assert self._host is not None and self._event is not None
+            self._event.synchronize()
+            tok_h, lp_h = self._host
+            self._ready = [SampleResult(t, lp, None) for t, lp in zip(tok_h.tolist(), lp_h.tolist())]
+        return self._ready
+
+
+def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]]
+                         ) -> PendingSamples | None:
+    """`sample_rows` of every row of logits [N, vocab] without waiting for the values on the host, or None
+    when a row needs the host (top-k / top-p masks, top logprobs): the caller then samples with
+    `sample_rows`. Same algorithm and implementation as `sample_rows`, so the same tokens and logprobs."""
+    if any(_filtered(p) or p.logprobs for p, _, _ in specs):
+        return None
+    if not logits.is_cuda:
+        ready = sample_rows(logits, specs)
+        return PendingSamples(torch.tensor([r.token for r in ready], dtype=torch.int64), ready=ready)
+    token, logprob, _ = _launch_device(logits, specs, list(range(logits.shape[0])))
+    return PendingSamples(token, logprob)
+
+
+def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the device sampler on `rows` (no host sync): token Int64, logprob Float32, lse Float64 [R]."""
+    from engine.kernels.triton_sampler import gumbel_sample
+
+    dev = logits.device
+    row_ids = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    # the kernel reads each key's bit pattern as int64; one vectorised hash for all rows
+    keys = torch.from_numpy(noise_keys([s for _, s, _ in specs], [pos for _, _, pos in specs]).view(np.int64))
+    temps = torch.tensor([float(p.temperature) for p, _, _ in specs], dtype=torch.float64)
+    return gumbel_sample(logits, row_ids, keys.to(dev, non_blocking=True), temps.to(dev, non_blocking=True))
+
+
 def _filtered(params: SamplingParams) -> bool:
     return params.temperature != 0 and (params.top_k != 0 or params.top_p < 1.0)
 
 
 def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
                         rows: list[int]) -> list[SampleResult]:
-    from engine.kernels.triton_sampler import gumbel_sample
-
     out: list[SampleResult | None] = [None] * len(specs)
     fast = [i for i, (p, _, _) in enumerate(specs) if not _filtered(p)]
     slow = [i for i, (p, _, _) in enumerate(specs) if _filtered(p)]
@@ -205,13 +262,7 @@ def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, 
             p, seed, pos = specs[i]
             out[i] = sample_row(host[j], p, seed, pos)
     if fast:
-        dev = logits.device
-        row_ids = torch.tensor([rows[i] for i in fast], dtype=torch.int64).to(dev, non_blocking=True)
-        # the kernel reads each key's bit pattern as int64; one vectorised hash for all rows
-        keys = torch.from_numpy(noise_keys([specs[i][1] for i in fast], [specs[i][2] for i in fast]).view(np.int64))
-        temps = torch.tensor([float(specs[i][0].temperature) for i in fast], dtype=torch.float64)
-        token, logprob, lse = gumbel_sample(logits, row_ids, keys.to(dev, non_blocking=True),
-                                            temps.to(dev, non_blocking=True))
+        token, logprob, lse = _launch_device(logits, [specs[i] for i in fast], [rows[i] for i in fast])
         tops = _top_logprobs_device(logits, [rows[i] for i in fast], [specs[i][0].logprobs or 0 for i in fast],
                                     lse)
         token_h, logprob_h = token.tolist(), logprob.tolist()

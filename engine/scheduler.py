@@ -109,13 +109,43 @@ class Scheduler:
             if s.pending_windows:
                 ready.append(s)
             elif s.kind == SeqKind.FAST:
-                decodable.append(s)
+                if len(s.tokens) + s.inflight < s.params.max_tokens:  # else its last token is in flight
+                    decodable.append(s)
             elif s.kind == SeqKind.DVR:
                 if candidate_done(s, window, eos):
                     ready.append(s)
                 if can_run_ahead(s, window, eos, lookahead):
                     decodable.append(s)
         return ready, decodable
+
+    def chained_decode(self) -> Plan | None:
+        """The decode step `schedule` would plan now, planned while the previous decode step's tokens are
+        still on the device (engine overlap: counts include in-flight tokens, their values are unknown).
+        None when the policy could plan anything else — a prefill, a verify pass, a preemption — which
+        needs those values: the caller then reads them and calls `schedule`. Planning one step behind
+        changes when rows become ready, never a committed token (rows that finished in the in-flight step
+        may ride one wasted step)."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs:
+            return None
+        ready, decodable = self._classify()
+        if not decodable or self._verify_due(ready, decodable, self.step_index + 1):
+            return None
+        need = sum(self.blocks.extra_blocks(seq_key(s), s.num_tokens) for s in decodable)
+        if need > self.blocks.num_free:
+            return None
+        self.step_index += 1
+        for s in decodable:
+            self.blocks.ensure(seq_key(s), s.num_tokens)
+        return Plan(StepKind.DECODE, decode=decodable)
+
+    def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int) -> bool:
+        """`_plan_verify`'s trigger at step `step`, without side effects (teacher rows are always due)."""
+        if not rows:
+            return False
+        if any(s.pending_windows for s in rows):
+            return True
+        oldest = min((s.ready_since for s in rows if s.ready_since is not None), default=step)
+        return len(rows) >= self.config.group or not decodable or step - oldest >= self.config.window
 
     def _plan_prefill(self) -> Plan | None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
@@ -263,7 +293,7 @@ def prefill_item(seq: Sequence) -> PrefillItem:
 
 def candidate_done(seq: Sequence, window: int, eos_ids: set[int]) -> bool:
     """A DVR row is ready: W-1 candidates, or the fast path says it finished (EOS / stop id / max_tokens)."""
-    if len(seq.candidates) >= seq.max_candidates(window):
+    if seq.num_candidates >= seq.max_candidates(window):
         return True
     return bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
 
@@ -275,7 +305,7 @@ def can_run_ahead(seq: Sequence, window: int, eos_ids: set[int], lookahead: int)
     if seq.candidates and seq.params.is_stop_token(seq.candidates[-1], eos_ids):
         return False
     cap = min(window - 1 + lookahead, seq.params.max_tokens - len(seq.tokens))
-    return len(seq.candidates) < cap
+    return seq.num_candidates < cap
 
 
 def verify_slots(seq: Sequence) -> int:

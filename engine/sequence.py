@@ -4,7 +4,8 @@ Token index regions of one sequence (absolute positions; L = len(prompt)):
 
     | prompt 0..L-1 | committed outputs L..L+n-1 | candidates (fast path, unverified) |
 
-Output token i sits at position L + i. `kv_len` counts positions whose K/V is in the cache. After a
+Output token i sits at position L + i; in-flight decode tokens (engine overlap) follow the candidates
+(or, for a non-deterministic request, the committed outputs). `kv_len` counts positions whose K/V is in the cache. After a
 prefill, verify pass or non-deterministic decode step the newest token has not been fed yet, so
 kv_len == L + n - 1 (plus the candidates fed by the fast path for a DVR request).
 """
@@ -57,6 +58,7 @@ class Sequence:
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     candidates: list[int] = field(default_factory=list)
     kv_len: int = 0
+    inflight: int = 0                              # decode tokens launched whose values are not read yet
     windows: list[tuple[int, int]] = field(default_factory=list)
     pending_windows: deque[tuple[int, int]] = field(default_factory=deque)  # teacher-forced, in order
     replay: ReplayState | None = None
@@ -77,11 +79,18 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        """Prompt + committed + candidates."""
-        return len(self.prompt) + len(self.tokens) + len(self.candidates)
+        """Prompt + committed + candidates + in-flight decode tokens (engine overlap: sampled on the device,
+        not read yet; each already holds its KV slot, so kv_len counts it)."""
+        return len(self.prompt) + len(self.tokens) + len(self.candidates) + self.inflight
+
+    @property
+    def num_candidates(self) -> int:
+        """Candidates, counting in-flight decode tokens (which become candidates of a DVR row)."""
+        return len(self.candidates) + self.inflight
 
     @property
     def last_token(self) -> int:
+        """The newest known token (an in-flight one, if any, is newer and lives on the device)."""
         return (self.candidates or self.tokens or self.prompt)[-1]
 
     @property

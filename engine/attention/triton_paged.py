@@ -278,6 +278,8 @@ class TritonPagedAttention:
         if merge not in ("fused", "kernel"):
             raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
         self.split_size, self.decode, self.merge = split_size, decode, merge
+        self.concurrent_canonical = True  # canonical decode rows on a side stream (see _side_stream)
+        self._streams: dict[int | None, torch.cuda.Stream] = {}
         self._workspaces: dict[tuple, DecodeWorkspace] = {}
         self._retired: list[DecodeWorkspace] = []
 
@@ -300,6 +302,17 @@ class TritonPagedAttention:
         return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, max_q, one_per_row, canonical,
                           canonical_decode=decode_shape and self.decode == "canonical")
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
+        """The stream canonical decode rows run on, beside the split kernel on the current stream (both
+        write disjoint rows of one output; a CUDA graph captures the fork and join as two branches). The
+        kernels and their inputs are the same as on one stream, so are the bits. None off CUDA."""
+        if device.type != "cuda" or not self.concurrent_canonical:
+            return None
+        stream = self._streams.get(device.index)
+        if stream is None:
+            stream = self._streams[device.index] = torch.cuda.Stream(device)
+        return stream
 
     def workspace(self, num_rows: int, num_heads: int, head_dim: int, num_splits: int,
                   device: torch.device) -> DecodeWorkspace:
@@ -330,10 +343,18 @@ class TritonPagedAttention:
         if plan.one_query_per_row:
             splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
             ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
-            out = decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                   workspace=ws, split_size=self.split_size, skip_rows=plan.canonical_rows,
-                                   merge=self.merge)
-            if plan.canonical_rows is not None:
+            out = torch.empty_like(q)
+            side = self._side_stream(q.device) if plan.canonical_rows is not None else None
+            if side is not None:  # the canonical rows on a second stream, concurrent with the split rows
+                side.wait_stream(torch.cuda.current_stream(q.device))
+                with torch.cuda.stream(side):
+                    _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
+            decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                             workspace=ws, out=out, split_size=self.split_size, skip_rows=plan.canonical_rows,
+                             merge=self.merge)
+            if side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(side)
+            elif plan.canonical_rows is not None:
                 _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
             return out
         if plan.canonical_decode:

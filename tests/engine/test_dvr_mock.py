@@ -180,9 +180,9 @@ def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: 
         seen.append(([s.kind == SeqKind.DVR for s in plan.decode], None))
         return decode_pass(plan)
 
-    def record_rows(rows: Any) -> Any:
+    def record_rows(rows: Any, **kw: Any) -> Any:
         seen[-1] = (seen[-1][0], [r.canonical for r in rows])
-        return run_decode(rows)
+        return run_decode(rows, **kw)
 
     core._decode, core.runner.decode = record_plan, record_rows
     llm.generate(prompts, mixed)

@@ -1,0 +1,177 @@
+"""Engine overlap (EngineConfig.overlap): a decode step is planned and launched while the previous one's
+tokens are still unread, its input ids taken from them on the device. On the CPU the same bookkeeping runs
+(the "device" tokens are host tensors), so these tests exercise every path the GPU takes."""
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from engine.sampling import SamplingParams
+from engine.scheduler import StepKind
+from tests.engine.dvr_cases import assert_same, assert_windows_cover, det_workload, staggered
+
+VOCAB = 64
+
+
+def _plain(params: list[SamplingParams], keep_filtered: int = 0) -> list[SamplingParams]:
+    """Drop top-k / top-p (those rows take the host sampler, which ends a chain) except every
+    `keep_filtered`-th request."""
+    return [p if keep_filtered and i % keep_filtered == 0 else replace(p, top_p=1.0, top_k=0)
+            for i, p in enumerate(params)]
+
+
+def _count_chained(llm: Any) -> dict[str, int]:
+    """Counts decode steps launched with the previous step's tokens still in flight, and the rows whose
+    input id was copied on the device."""
+    core, counts = llm.core, {"chained_steps": 0, "chained_rows": 0, "decode_steps": 0}
+    chained, run_decode = core.scheduler.chained_decode, core.runner.decode
+
+    def record_chained() -> Any:
+        plan = chained()
+        if plan is not None:
+            assert plan.kind == StepKind.DECODE
+            counts["chained_steps"] += 1
+        return plan
+
+    def record_decode(rows: Any, chain: Any = None) -> Any:
+        counts["decode_steps"] += 1
+        if chain is not None:
+            counts["chained_rows"] += len(chain[1])
+        return run_decode(rows, chain=chain)
+
+    core.scheduler.chained_decode, core.runner.decode = record_chained, record_decode
+    return counts
+
+
+@pytest.fixture
+def workload():
+    prompts, params = det_workload(16, VOCAB, max_tokens=(8, 30), seed=3)
+    return prompts, _plain(params)
+
+
+def test_overlap_is_off_on_the_cpu_by_default_and_on_when_asked(make_mock_llm) -> None:
+    assert make_mock_llm().config.overlap is False
+    assert make_mock_llm(overlap=True).config.overlap is True
+    with pytest.raises(ValueError, match="EngineConfig.overlap"):
+        make_mock_llm(overlap="yes")
+
+
+def test_dvr_outputs_are_the_same_with_and_without_overlap(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    llm = make_mock_llm(overlap=True)
+    counts = _count_chained(llm)
+    got = llm.generate(prompts, params)
+    assert_same(ref, got)
+    for o in got:
+        assert_windows_cover(o, 8)
+    assert counts["chained_steps"] > 0 and counts["chained_rows"] > 0, counts
+
+
+def test_overlap_under_staggered_arrivals_and_faults(make_mock_llm, workload) -> None:
+    """Arrivals between steps (each ends a chain), fast co-traffic, injected faults: the committed
+    deterministic outputs still equal a lone run's."""
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    for max_seqs, rate in ((3, 0.0), (12, 0.3)):
+        llm = make_mock_llm(overlap=True, max_num_seqs=max_seqs, fault_rate=rate, fault_seed=2)
+        counts = _count_chained(llm)
+        assert_same(ref, staggered(llm, prompts, params, seed=max_seqs))
+        assert counts["chained_steps"] > 0, counts
+
+
+def test_host_sampled_rows_end_the_chain_but_not_correctness(make_mock_llm) -> None:
+    """top-k / top-p rows are sampled on the host: a step holding one is read at once (no chain)."""
+    prompts, params = det_workload(12, VOCAB, max_tokens=(8, 24), seed=4)
+    params = _plain(params, keep_filtered=4)
+    ref = make_mock_llm().generate(prompts, params)
+    assert_same(ref, make_mock_llm(overlap=True).generate(prompts, params))
+
+
+def test_fast_requests_stop_exactly_at_eos_and_max_tokens(make_mock_llm) -> None:
+    """A non-deterministic row that finished in the in-flight step rides one more step; that token is
+    dropped, never committed: outputs end at the first stop id or at max_tokens."""
+    stops = [2, 3, 4, 5]
+    prompts = [[5 + i, 9, 3 + i] for i in range(10)]
+    params = [SamplingParams(max_tokens=20 + i, temperature=1.0, seed=i, stop_token_ids=stops) for i in range(10)]
+    llm = make_mock_llm(mode="nondeterministic", overlap=True, max_num_seqs=10)
+    counts = _count_chained(llm)
+    outs = llm.generate(prompts, params)
+    assert counts["chained_steps"] > 0, counts
+    stopped = 0
+    for o, p in zip(outs, params):
+        assert len(o.token_ids) == len(o.token_logprobs) <= p.max_tokens
+        if o.finish_reason == "stop":
+            stopped += 1
+            assert [t in stops for t in o.token_ids].index(True) == len(o.token_ids) - 1, o.token_ids
+        else:
+            assert o.finish_reason == "length" and len(o.token_ids) == p.max_tokens
+            assert not set(stops) & set(o.token_ids), o.token_ids
+    assert stopped > 0, "the case never hit EOS"
+    assert not llm.core.has_work() and llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
+
+
+def test_dvr_row_past_a_stop_candidate_drops_the_extra_token(make_mock_llm) -> None:
+    """DVR rows that reach EOS: the in-flight step past the stop candidate is dropped, the outputs equal
+    the sync engine's, and every KV block comes back."""
+    prompts, params = det_workload(12, VOCAB, max_tokens=(20, 40), seed=6)
+    params = [replace(p, stop_token_ids=[2, 3, 4]) for p in _plain(params)]
+    ref = make_mock_llm().generate(prompts, params)
+    assert any(o.finish_reason == "stop" for o in ref), "the case never hit EOS"
+    llm = make_mock_llm(overlap=True)
+    assert_same(ref, llm.generate(prompts, params))
+    while llm.core.has_work():
+        llm.core.step()
+    llm.core.scheduler.blocks.check()
+    assert llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
+
+
+def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
+    prompts, params = workload
+    llm = make_mock_llm(overlap=True)
+    core = llm.core
+    seqs = [core.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+    for _ in range(6):
+        core.step()
+    assert core._inflight is not None, "no step in flight to abort under"
+    victim = next(s for s in core._inflight.seqs if not s.is_finished)
+    core.abort(victim.request_id)
+    while core.has_work():
+        core.step()
+    ref = make_mock_llm().generate(prompts, params)
+    rest = [(core.output(s), r) for s, r in zip(seqs, ref) if s is not victim]
+    assert_same([a for a, _ in rest], [b for _, b in rest])
+    assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
+    core.scheduler.blocks.check()
+    assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
+
+
+def test_real_model_dvr_bits_with_overlap(make_real_llm) -> None:
+    """SmolLM2 (fp32, CPU): deterministic requests among fast co-traffic give the same token ids and
+    logprobs with overlap on as a lone run with overlap off."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
+    det = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
+                          deterministic=True, ignore_eos=True) for i in range(len(prompts))]
+    ref = [make_real_llm(window=8, group=2).generate([p], [sp])[0] for p, sp in zip(prompts, det)]
+    llm = make_real_llm(window=8, group=2, overlap=True, max_num_seqs=8)
+    counts = _count_chained(llm)
+    fast = [SamplingParams(max_tokens=25 + 5 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(prompts + [p[::-1] for p in prompts], det + fast)
+    assert_same(ref, outs[: len(prompts)])
+    assert counts["chained_steps"] > 0 and counts["chained_rows"] > 0, counts
+
+
+def test_chained_input_ids_are_the_previous_steps_tokens(make_mock_llm) -> None:
+    """Non-deterministic requests that all run the same steps (same length, no stops) see the same
+    batches with and without overlap, so the mock model's batch-dependent fast path gives the same
+    tokens only if every chained input id is the right row's token of the previous step."""
+    prompts = [[5 + i, 9, 3 + i, 7] for i in range(8)]
+    params = [SamplingParams(max_tokens=24, temperature=1.0 if i % 2 else 0.0, seed=i, ignore_eos=True)
+              for i in range(8)]
+    ref = make_mock_llm(mode="nondeterministic", max_num_seqs=8).generate(prompts, params)
+    llm = make_mock_llm(mode="nondeterministic", overlap=True, max_num_seqs=8)
+    counts = _count_chained(llm)
+    assert_same(ref, llm.generate(prompts, params))
+    assert counts["chained_rows"] == 8 * 22, counts  # every decode step but the first chains all 8 rows
