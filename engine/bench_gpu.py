@@ -1124,8 +1124,8 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
         entry = res[f"fixed_{spec}"] = {"requests": count, "prompt_len": p_len, "output_len": o_len, "modes": {}}
         if p_len + o_len > GRAPH_MAX_LEN:
             entry["note"] = (f"{count} requests, kept few so that the six modes fit one device call; rows longer "
-                             f"than {GRAPH_MAX_LEN} tokens decode eagerly (decode graphs are captured up to "
-                             f"{GRAPH_MAX_LEN})")
+                             f"than {GRAPH_MAX_LEN} tokens decode through the second decode-graph family "
+                             f"(captured up to max_model_len; eagerly before commit 'long decode graphs')")
         _run_modes(ctx, make, prompts, [o_len] * count, a.fixed_cap_s, f"fx{spec}", entry["modes"])
     del model
     _free()

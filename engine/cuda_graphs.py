@@ -162,11 +162,14 @@ class DecodeGraphs:
 
     @classmethod
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
-                   scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False) -> DecodeGraphs:
+                   scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False,
+                   pool: Any = None) -> DecodeGraphs:
         """Captured graphs for an engine's model runner (longer rows fall back to eager decode).
-        `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical"."""
+        `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical". `pool`: another
+        family's graph memory pool to share (graphs replay one at a time on one stream)."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
                      scratch_slot=scratch_block * kv.block_size, canonical=canonical)
+        graphs.pool = pool
         graphs.capture()
         return graphs
 

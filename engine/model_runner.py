@@ -83,7 +83,9 @@ class ModelRunner:
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
         self.canonical_decode = config.mode == Mode.DVR and config.dvr_decode_attention == "canonical"
-        self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured
+        self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
+        #                                            GRAPH_MAX_LEN tokens)
+        self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len
         self.verify_graph: object | None = None    # engine.cuda_graphs.VerifyGraph when bit-exact
         self.graphs_status = "eager"
         if config.cuda_graphs and device.type == "cuda":
@@ -121,11 +123,12 @@ class ModelRunner:
         chain = (tokens, dst, src): row dst[i]'s input id is tokens[src[i]], a token of the previous step
         still on the device (engine overlap); those rows' host ids are placeholders."""
         assert all(len(r.tokens) == 1 for r in rows)
-        if self.decode_graphs is not None:
-            # None: batch or block table past the captured sizes
-            logits = self.decode_graphs.run_rows(rows, lambda ids: self._chain_ids(ids, chain))
-            if logits is not None:
-                return logits.float()  # already float32: no copy
+        for graphs in (self.decode_graphs, self.long_decode_graphs):
+            if graphs is not None:
+                # None: batch or block table past the captured sizes
+                logits = graphs.run_rows(rows, lambda ids: self._chain_ids(ids, chain))
+                if logits is not None:
+                    return logits.float()  # already float32: no copy
         hidden, _ = self._forward(PassKind.DECODE, rows, pad_to=None, chain=chain)
         return self.model.compute_logits(hidden).float()
 
@@ -163,11 +166,22 @@ class ModelRunner:
         try:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
                                                          self.max_model_len, SCRATCH_BLOCK,
-                                                         canonical=self.canonical_decode)
+                                                         graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
             return
+        if self.max_model_len > GRAPH_MAX_LEN:
+            # a second family for rows past GRAPH_MAX_LEN (its split and chunk grids are sized for the whole
+            # context, which would slow short rows down), sharing the first family's memory pool
+            try:
+                self.long_decode_graphs = DecodeGraphs.for_engine(
+                    self.model, self.kv, self.config.max_num_seqs, self.max_model_len, SCRATCH_BLOCK,
+                    graph_max_len=self.max_model_len, canonical=self.canonical_decode,
+                    pool=self.decode_graphs.pool)
+                self.graphs_status += f"+long{self.max_model_len}"
+            except (ValueError, RuntimeError) as exc:
+                self.graphs_status += f"; rows past {GRAPH_MAX_LEN} eager (capture failed: {type(exc).__name__})"
         if self.config.mode != Mode.DVR:
             return
         try:
@@ -188,7 +202,8 @@ class ModelRunner:
                  chain: Chain | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
         lay = self._layout(rows, pad_to)
         canonical = None
-        if kind == PassKind.DECODE and self.canonical_decode:
+        if kind == PassKind.DECODE and self.canonical_decode and any(r.canonical for r in rows):
+            # no flagged row: the plain split path (an eager step then launches no canonical kernel)
             canonical = _int32([r.canonical for r in rows])
         input_ids, positions, meta = self._to_device(kind, lay, canonical)
         self._chain_ids(input_ids, chain)

@@ -99,3 +99,28 @@ def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     assert torch.equal(logits, first)  # same inputs, same KV writes: the replay is deterministic
     flags = runner.decode_graphs.static.canonical_rows(runner.decode_graphs.padded_size(5)).tolist()
     assert flags == ([1, 0, 1, 0, 1] if attention == "canonical" else [0] * 5) + [0] * (len(flags) - 5)
+
+
+def test_rows_past_the_first_graph_family_use_the_long_family(smol: Any, monkeypatch: Any) -> None:
+    """With the first family capped at 32 tokens, rows past it replay the second family (captured up to
+    max_model_len) instead of running eagerly: the same committed bits, and the long graphs really ran.
+    Fast rows of one fixed batch give the eager bits too (same kernels, same shapes)."""
+    import engine.cuda_graphs as cg
+
+    monkeypatch.setattr(cg, "GRAPH_MAX_LEN", 32)
+    want = run(make(smol, num_kv_blocks=400, max_model_len=256))
+    graphed = make(smol, num_kv_blocks=400, max_model_len=256, cuda_graphs=True)
+    runner = graphed.core.runner
+    assert runner.long_decode_graphs is not None and "+long256" in runner.graphs_status, runner.graphs_status
+    assert runner.decode_graphs.max_blocks * 16 == 32 and runner.long_decode_graphs.max_blocks * 16 == 256
+    used = {"long": 0}
+    long_run = runner.long_decode_graphs.run
+
+    def counting(*a: Any, **kw: Any) -> Any:
+        out = long_run(*a, **kw)
+        used["long"] += out is not None
+        return out
+
+    runner.long_decode_graphs.run = counting
+    assert_same(want, run(graphed))
+    assert used["long"] > 0, used
