@@ -116,9 +116,48 @@ def _patch_interpreter_index() -> None:
     interpreter._patch_lang_tensor = patched
 
 
+def _patch_interpreter_dot() -> None:
+    """Give the interpreter's `tl.dot` the MMA property the packed kernel relies on: an output row's bits
+    depend only on that row of `a`, on `b` and on that row of the accumulator, never on the row's index
+    or on the other rows.
+
+    Triton 3.6's `create_dot` is `np.matmul(a, b, dtype=acc) + acc`, i.e. BLAS sgemm for fp32 operands,
+    and BLAS makes no such promise: OpenBLAS's Haswell sgemm kernel (the one it picks on AVX2 CPUs, AMD
+    Zen included; NumPy 2.3's OpenBLAS 0.3.30 as 2.4's 0.3.31) gives rows 6..11 of every 12 rows of a
+    [64, 16] @ [16, 64] product (and, with a transposed `b`, the last 4 of 64) other bits than the same
+    row at index 0 (its Sandybridge kernel does not), so the packed kernel's queries in rows 0..GROUP-1
+    and the prefill kernel's query in row p % 64 differed in the last bits for p % 12 >= 6 (fp32),
+    whatever the kernels did. Here each element is the fixed left-to-right sum over k of rounded
+    products (elementwise numpy ops: IEEE-exact, no BLAS, no FMA contraction), the same for every row,
+    CPU and thread count. bfloat16 operands (stored as uint16 by the interpreter, whose `create_dot` then
+    multiplied the raw bit patterns: triton-lang/triton#11584) are widened to float32 first, exactly.
+    Bitwise agreement of two kernels here therefore still means the same arithmetic per live row."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # noqa: ANN001, ANN202, ARG001
+        acc_t = d.data.dtype
+        operands = []
+        for x in (a, b):
+            data = x.data
+            if x.dtype == tl.bfloat16 or (x.dtype.primitive_bitwidth == 8 and x.dtype.is_floating()):
+                wide = tl.float32 if x.dtype == tl.bfloat16 else tl.float16  # fp8: as the stock create_dot
+                data = interpreter._convert_float(data, x.dtype, wide, None).view(interpreter._get_np_dtype(wide))
+            operands.append(data.astype(acc_t))
+        a_data, b_data = operands
+        out = np.zeros(d.data.shape, dtype=acc_t)
+        for k in range(a_data.shape[-1]):  # k in increasing order, one rounding per product and per sum
+            out += a_data[..., :, k, None] * b_data[..., None, k, :]
+        return interpreter.TensorHandle(out + d.data, d.dtype.scalar)
+
+    interpreter.InterpreterBuilder.create_dot = create_dot
+
+
 def _interpreter_main() -> None:
     """Entry of the TRITON_INTERPRET=1 subprocess (tiny shapes: the interpreter runs numpy)."""
     _patch_interpreter_index()
+    _patch_interpreter_dot()
     for dtype in (torch.float32, torch.bfloat16):
         # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
         check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
