@@ -190,25 +190,31 @@ class Scheduler:
     def _plan_canonical_prefill(self, anchor: Sequence) -> Plan | None:
         """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the anchor, a DVR /
         replay prompt: the queue's head, or one a plain pass would reach) and at most
-        CANONICAL_PREFILL_ROWS prompts. It takes, in queue order, the DVR / replay prompts with the
-        same P and any non-deterministic prompt, while they fit; the rest of the pass is dummy tokens. A
-        row's bits depend only on its own tokens and P (every GEMM has M = P, the logits GEMM M = the row
-        cap), so a prompt prefilled here, alone or packed, later or in a replay, gives the same bits."""
+        CANONICAL_PREFILL_ROWS prompts. It takes first every waiting DVR / replay prompt with the same P
+        that fits (queue order), then fills the rest with non-deterministic prompts that fit (queue order);
+        what is left is dummy tokens. Deterministic prompts go first because they can only be prefilled in
+        such a pass: the prompts left behind are then more often all non-deterministic and need no padded
+        pass of their own. A row's bits depend only on its own tokens and P (every GEMM has M = P, the
+        logits GEMM M = the row cap), so a prompt prefilled here, alone or packed, later or in a replay,
+        gives the same bits."""
         pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
         items: list[PrefillItem] = []
         budget = pass_tokens
-        for seq in list(self.waiting):
-            if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
-                break
-            item = prefill_item(seq)
-            n = len(item.tokens)
-            if seq.kind != SeqKind.FAST and canonical_prefill_tokens(self.config, n) != pass_tokens:
-                continue  # another pass size: its own pass later
-            if n > budget or not self._admit(seq, item):
-                break
-            self.waiting.remove(seq)
-            items.append(item)
-            budget -= n
+        for deterministic in (True, False):
+            for seq in list(self.waiting):
+                if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
+                    break
+                if (seq.kind != SeqKind.FAST) != deterministic:
+                    continue
+                n = prefill_len(seq)
+                if n > budget or (deterministic and canonical_prefill_tokens(self.config, n) != pass_tokens):
+                    continue  # too long for what is left, or another pass size (its own pass later)
+                item = prefill_item(seq)
+                if not self._admit(seq, item):
+                    return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
+                self.waiting.remove(seq)
+                items.append(item)
+                budget -= n
         return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
 
     def _admit(self, seq: Sequence, item: PrefillItem) -> bool:

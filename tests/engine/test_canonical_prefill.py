@@ -106,7 +106,7 @@ def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass()
     for s in [_seq(0, 30, False), _seq(1, 40, True), _seq(2, 20, False), _seq(3, 200, False)]:
         sched.add(s)
     plan = sched.schedule()
-    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1", "r2"]
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r1", "r0", "r2"]
     plan = sched.schedule()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r3"]
 
@@ -121,3 +121,18 @@ def test_deterministic_prompt_beyond_the_budget_does_not_make_the_pass_canonical
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
     plan = sched.schedule()
     assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r2"]
+
+
+def test_deterministic_prompts_go_first_so_the_rest_needs_no_padded_pass() -> None:
+    """Every waiting deterministic prompt of the pass size joins the canonical pass before the fast ones
+    fill it: the prompts left over are all non-deterministic and take a plain (unpadded) pass."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 40, True), _seq(1, 100, False), _seq(2, 100, False), _seq(3, 50, False),
+              _seq(4, 40, True), _seq(5, 30, False)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r4", "r1", "r3"]
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r2", "r5"]
