@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from engine.config import EngineConfig, Mode
-from engine.model_runner import ModelRunner, ModelShape, PagedModel, Row
+from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
@@ -192,8 +192,8 @@ class EngineCore:
             assert seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len, seq.num_tokens)
         prev = self._inflight
         canonical = self.runner.canonical_decode  # False unless DVR mode with canonical decode
-        rows = [Row([0 if s.inflight else s.last_token], s.kv_len, self._table(s), canonical and s.kind != SeqKind.FAST)
-                for s in plan.decode]
+        rows = [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s),
+                    canonical and s.kind != SeqKind.FAST) for s in plan.decode]
         chain = None
         if prev is not None:
             dst = [j for j, s in enumerate(plan.decode) if s.inflight]
@@ -206,11 +206,10 @@ class EngineCore:
             seq.kv_len += 1
             seq.inflight += 1
         deferred = sample_rows_deferred(logits, specs) if self.config.overlap else None
-        if deferred is None:  # sampled now (overlap off, or a row needs the host sampler)
-            samples = PendingSamples(None, ready=sample_rows(logits, specs))
+        # sampled now when overlap is off or a row needs the host sampler (top-k / top-p, top logprobs)
+        pending = deferred if deferred is not None else PendingSamples(None, ready=sample_rows(logits, specs))
         touched = self._settle()
-        self._inflight = InflightDecode(list(plan.decode), deferred or samples,
-                                        {s.key: j for j, s in enumerate(plan.decode)})
+        self._inflight = InflightDecode(list(plan.decode), pending, {s.key: j for j, s in enumerate(plan.decode)})
         if deferred is None:
             touched += self._settle()
         return touched

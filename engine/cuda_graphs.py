@@ -17,7 +17,8 @@ dvr_decode_attention="canonical") pass the canonical buffer as AttentionMetadata
 
 Requires an attention backend whose decode `plan` needs no host sync (TritonPagedAttention, or the
 batch_invariant mode's BatchInvariantAttention). Rows whose block
-tables are wider than the captured NB (longer than `max_seq_len`) fall back to eager (`run` -> None).
+tables are wider than the captured NB (longer than `max_seq_len`) get None from `run`: the model runner then
+tries its second family (rows up to max_model_len), then an eager pass.
 
 The verify graph (`VerifyGraph`) has one shape, G x W; whether its logits equal the eager pass bit for
 bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they do.
@@ -35,7 +36,8 @@ from engine.attention.metadata import AttentionMetadata, PassKind
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 GRAPH_SAFE_BACKENDS = ("triton", "batch_invariant")
-GRAPH_MAX_LEN = 4096  # an engine's graphs cover rows up to this many tokens; longer rows run eagerly
+GRAPH_MAX_LEN = 4096  # an engine's first decode-graph family covers rows up to this many tokens; a model runner
+#                       captures a second family for longer rows (up to its max_model_len)
 
 
 class _StaticPass:
@@ -129,7 +131,7 @@ class _StaticPass:
         self.i64.copy_(self.host_i64, non_blocking=True)
         self.i32.copy_(self.host_i32, non_blocking=True)
         if self.copied is not None:
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.i64.device))
 
 
 def _widest(tables: Sequence[Sequence[int]] | np.ndarray) -> int:
@@ -164,7 +166,8 @@ class DecodeGraphs:
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
                    scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False,
                    pool: Any = None) -> DecodeGraphs:
-        """Captured graphs for an engine's model runner (longer rows fall back to eager decode).
+        """Captured graphs for an engine's model runner, rows up to min(max_model_len, graph_max_len) tokens
+        (`run` returns None for longer ones: the runner tries its next family, then eager decode).
         `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical". `pool`: another
         family's graph memory pool to share (graphs replay one at a time on one stream)."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),

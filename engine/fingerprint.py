@@ -16,6 +16,7 @@ import torch
 from engine.config import EngineConfig, Mode
 from engine.kernels import DEFAULT_SPLIT_SIZE
 from engine.kernels.tiles import TILE_ROWS
+from engine.scheduler import CANONICAL_PREFILL_ROWS
 from engine.sampling import SAMPLER_ID, sampler_impl
 
 ENGINE_VERSION = "0.2.0"
@@ -74,6 +75,10 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "group": config.group,
         "kv_block_size": config.block_size,
         "canonical_prefill_min_tokens": config.canonical_prefill_min_tokens,
+        # the canonical pass size is capped by the prefill budget, and its logits GEMM has a fixed row count:
+        # both shape a deterministic prompt's first token
+        "canonical_prefill_max_tokens": config.max_num_batched_tokens,
+        "canonical_prefill_rows": CANONICAL_PREFILL_ROWS,
         "sampler": SAMPLER_ID,
         "sampler_impl": sampler_impl(device),
         "dtype": str(config.resolved_dtype).removeprefix("torch."),

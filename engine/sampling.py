@@ -209,7 +209,7 @@ class PendingSamples:
             lp_h.copy_(logprobs, non_blocking=True)
             self._host = (tok_h, lp_h)
             self._event = torch.cuda.Event()
-            self._event.record()
+            self._event.record(torch.cuda.current_stream(tokens.device))
 
     def results(self) -> list[SampleResult]:
         if self._ready is None:

@@ -125,7 +125,7 @@ class Scheduler:
         needs those values: the caller then reads them and calls `schedule`. Planning one step behind
         changes when rows become ready, never a committed token (rows that finished in the in-flight step
         may ride one wasted step)."""
-        if self.waiting and len(self.running) < self.config.max_num_seqs:
+        if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
             return None
         ready, decodable = self._classify()
         if not decodable or self._verify_due(ready, decodable, self.step_index + 1):
@@ -138,13 +138,21 @@ class Scheduler:
             self.blocks.ensure(seq_key(s), s.num_tokens)
         return Plan(StepKind.DECODE, decode=decodable)
 
+    def _head_fits(self) -> bool:
+        """The queue's head could be admitted now (its prompt's KV is free): a prefill pass could be planned.
+        Every prefill plan starts with the head, so when it does not fit no prefill is planned."""
+        head = self.waiting[0]
+        return self.blocks.extra_blocks(seq_key(head), prefill_len(head) + 1) <= self.blocks.num_free
+
     def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int) -> bool:
-        """`_plan_verify`'s trigger at step `step`, without side effects (teacher rows are always due)."""
+        """`_plan_verify`'s trigger at step `step`. Like it, starts the wait of rows first seen ready
+        (teacher rows: rebuild / replay) at this step."""
         if not rows:
             return False
-        if any(s.pending_windows for s in rows):
-            return True
-        oldest = min((s.ready_since for s in rows if s.ready_since is not None), default=step)
+        for s in rows:
+            if s.ready_since is None:
+                s.ready_since = step
+        oldest = min(s.ready_since for s in rows if s.ready_since is not None)
         return len(rows) >= self.config.group or not decodable or step - oldest >= self.config.window
 
     def _plan_prefill(self) -> Plan | None:
@@ -172,9 +180,9 @@ class Scheduler:
     def _full_size_canonical_in_reach(self) -> Sequence | None:
         """The first DVR / replay prompt a plain pass would reach (queue order, within the token budget and
         the row caps) whose canonical pass is as large as a plain pass (P = max_num_batched_tokens, the CUDA
-        default). The pass is then planned canonical around it: it takes the same non-deterministic
-        prompts a plain pass would, plus the deterministic ones, instead of stopping at the first of them
-        and leaving it a mostly padded pass of its own."""
+        default). The pass is then planned canonical around it: it takes the non-deterministic prompts a
+        plain pass would take before it, then it and the other deterministic prompts of its size, instead
+        of stopping at the first of them and leaving it a mostly padded pass of its own."""
         budget, rows = self.config.max_num_batched_tokens, 0
         room = min(self.config.max_num_seqs - len(self.running), CANONICAL_PREFILL_ROWS)
         for seq in self.waiting:
@@ -190,27 +198,38 @@ class Scheduler:
     def _plan_canonical_prefill(self, anchor: Sequence) -> Plan | None:
         """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the anchor, a DVR /
         replay prompt: the queue's head, or one a plain pass would reach) and at most
-        CANONICAL_PREFILL_ROWS prompts. It takes first every waiting DVR / replay prompt with the same P
-        that fits (queue order), then fills the rest with non-deterministic prompts that fit (queue order);
-        what is left is dummy tokens. Deterministic prompts go first because they can only be prefilled in
-        such a pass: the prompts left behind are then more often all non-deterministic and need no padded
-        pass of their own. A row's bits depend only on its own tokens and P (every GEMM has M = P, the
-        logits GEMM M = the row cap), so a prompt prefilled here, alone or packed, later or in a replay,
-        gives the same bits."""
+        CANONICAL_PREFILL_ROWS prompts, taken in three phases, each in queue order:
+
+            1. the prompts before the anchor (all non-deterministic: a plain pass would take them) and the
+               anchor itself, so the queue's head is never overtaken;
+            2. every other waiting DVR / replay prompt with the same P that fits: deterministic prompts can
+               only be prefilled in such a pass, so taking them now leaves fewer leftovers that need a padded
+               pass of their own;
+            3. non-deterministic prompts that fit in what is left (skipping those that do not);
+
+        the rest of the pass is dummy tokens. A row's bits depend only on its own tokens and P (every GEMM
+        has M = P, the logits GEMM M = the row cap), so a prompt prefilled here, alone or packed, later or
+        in a replay, gives the same bits."""
         pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
         items: list[PrefillItem] = []
         budget = pass_tokens
-        for deterministic in (True, False):
-            for seq in list(self.waiting):
+        head = list(self.waiting)[: self.waiting.index(anchor) + 1]
+        for phase in ("head", "deterministic", "fast"):
+            for seq in head if phase == "head" else list(self.waiting):
                 if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
                     break
-                if (seq.kind != SeqKind.FAST) != deterministic:
-                    continue
                 n = prefill_len(seq)
-                if n > budget or (deterministic and canonical_prefill_tokens(self.config, n) != pass_tokens):
-                    continue  # too long for what is left, or another pass size (its own pass later)
+                if phase == "deterministic" and (seq.kind == SeqKind.FAST
+                                                 or canonical_prefill_tokens(self.config, n) != pass_tokens):
+                    continue  # fast prompts come in phase 3; another pass size has its own pass later
+                if phase == "fast" and seq.kind != SeqKind.FAST:
+                    continue
                 item = prefill_item(seq)
-                if not self._admit(seq, item):
+                if n > budget and phase != "head":
+                    continue
+                # a head prompt that does not fit (impossible for an anchor in reach) or KV that is short:
+                # the pass ends here rather than overtake
+                if n > budget or not self._admit(seq, item):
                     return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
                 self.waiting.remove(seq)
                 items.append(item)
@@ -263,6 +282,7 @@ class Scheduler:
         return granted
 
     def preempt(self, seq: Sequence) -> None:
+        assert seq.inflight == 0, f"preempting {seq.request_id} with a decode token in flight"
         self.running.remove(seq)
         self.blocks.free(seq_key(seq))
         seq.reset_for_rebuild()

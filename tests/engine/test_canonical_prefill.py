@@ -106,7 +106,7 @@ def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass()
     for s in [_seq(0, 30, False), _seq(1, 40, True), _seq(2, 20, False), _seq(3, 200, False)]:
         sched.add(s)
     plan = sched.schedule()
-    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r1", "r0", "r2"]
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1", "r2"]
     plan = sched.schedule()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r3"]
 
@@ -136,3 +136,29 @@ def test_deterministic_prompts_go_first_so_the_rest_needs_no_padded_pass() -> No
     assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r4", "r1", "r3"]
     plan = sched.schedule()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r2", "r5"]
+
+
+def test_what_shapes_a_canonical_pass_is_in_the_fingerprint() -> None:
+    """P is capped by max_num_batched_tokens and the logits GEMM has CANONICAL_PREFILL_ROWS rows: engines
+    that differ in either can give a prompt different bits, so their fingerprints differ."""
+    from engine.fingerprint import runtime_fingerprint
+    from engine.scheduler import CANONICAL_PREFILL_ROWS
+
+    a = runtime_fingerprint(EngineConfig(device="cpu", max_num_batched_tokens=4096))
+    b = runtime_fingerprint(EngineConfig(device="cpu", max_num_batched_tokens=2048))
+    assert a["canonical_prefill_rows"] == CANONICAL_PREFILL_ROWS
+    assert (a["canonical_prefill_max_tokens"], b["canonical_prefill_max_tokens"]) == (4096, 2048)
+    assert a != b
+
+
+def test_a_fast_head_is_never_overtaken_by_deterministic_prompts() -> None:
+    """Deterministic prompts of the pass size go first only after the prompts before the anchor: a fast
+    prompt at the head that fills most of the pass is prefilled in the first pass, however many
+    deterministic prompts keep arriving behind it."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 150, False), _seq(1, 60, True), _seq(2, 60, True)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]

@@ -110,7 +110,9 @@ def test_fast_requests_stop_exactly_at_eos_and_max_tokens(make_mock_llm) -> None
             assert o.finish_reason == "length" and len(o.token_ids) == p.max_tokens
             assert not set(stops) & set(o.token_ids), o.token_ids
     assert stopped > 0, "the case never hit EOS"
-    assert not llm.core.has_work() and llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
+    while llm.core.has_work():  # a step may still be in flight for requests that already finished
+        llm.core.step()
+    assert llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
 
 
 def test_dvr_row_past_a_stop_candidate_drops_the_extra_token(make_mock_llm) -> None:
@@ -121,9 +123,25 @@ def test_dvr_row_past_a_stop_candidate_drops_the_extra_token(make_mock_llm) -> N
     ref = make_mock_llm().generate(prompts, params)
     assert any(o.finish_reason == "stop" for o in ref), "the case never hit EOS"
     llm = make_mock_llm(overlap=True)
+    core, step = llm.core, llm.core.step
+    stops = {2, 3, 4}
+    dropped = {"n": 0}
+
+    def checked_step() -> Any:
+        before = {s.key: (len(s.candidates), s.inflight) for s in core.scheduler.running}
+        out = step()
+        for s in core.scheduler.running:  # no candidate ever follows a stop candidate
+            assert not stops & set(s.candidates[:-1]), (s.request_id, s.candidates)
+            n, inflight = before.get(s.key, (0, 0))
+            if s.candidates and s.candidates[-1] in stops and len(s.candidates) == n and s.inflight < inflight:
+                dropped["n"] += 1  # an in-flight token after the stop candidate was read and dropped
+        return out
+
+    core.step = checked_step
     assert_same(ref, llm.generate(prompts, params))
-    while llm.core.has_work():
-        llm.core.step()
+    while core.has_work():
+        core.step()
+    assert dropped["n"] > 0, "no step ran past a stop candidate"
     llm.core.scheduler.blocks.check()
     assert llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
 
@@ -137,13 +155,20 @@ def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
         core.step()
     assert core._inflight is not None, "no step in flight to abort under"
     victim = next(s for s in core._inflight.seqs if not s.is_finished)
+    fast = core.add_request("fast", [3, 4, 5], SamplingParams(max_tokens=30, temperature=1.0, seed=1))
+    while not (core._inflight is not None and fast in core._inflight.seqs and fast.tokens):
+        core.step()
+    kept = {s.key: (list(s.tokens), list(s.logprobs)) for s in (victim, fast)}
     core.abort(victim.request_id)
+    core.abort(fast.request_id)  # both have a token in flight now
     while core.has_work():
         core.step()
+    for s in (victim, fast):  # the in-flight token was dropped, never committed
+        assert (s.tokens, s.logprobs) == kept[s.key], s.request_id
+        assert s.finish_reason is not None and s.finish_reason.value == "abort"
     ref = make_mock_llm().generate(prompts, params)
     rest = [(core.output(s), r) for s, r in zip(seqs, ref) if s is not victim]
     assert_same([a for a, _ in rest], [b for _, b in rest])
-    assert victim.finish_reason is not None and victim.finish_reason.value == "abort"
     core.scheduler.blocks.check()
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
 
@@ -168,10 +193,31 @@ def test_chained_input_ids_are_the_previous_steps_tokens(make_mock_llm) -> None:
     batches with and without overlap, so the mock model's batch-dependent fast path gives the same
     tokens only if every chained input id is the right row's token of the previous step."""
     prompts = [[5 + i, 9, 3 + i, 7] for i in range(8)]
-    params = [SamplingParams(max_tokens=24, temperature=1.0 if i % 2 else 0.0, seed=i, ignore_eos=True)
+    # rows leave the batch one by one (max_tokens differ), so a row's index changes between steps: the
+    # chained id must come from the row the sequence had in the previous step, not the same index
+    params = [SamplingParams(max_tokens=6 + 3 * i, temperature=1.0 if i % 2 else 0.0, seed=i, ignore_eos=True)
               for i in range(8)]
     ref = make_mock_llm(mode="nondeterministic", max_num_seqs=8).generate(prompts, params)
     llm = make_mock_llm(mode="nondeterministic", overlap=True, max_num_seqs=8)
     counts = _count_chained(llm)
     assert_same(ref, llm.generate(prompts, params))
-    assert counts["chained_rows"] == 8 * 22, counts  # every decode step but the first chains all 8 rows
+    # every decode step but the first chains all its rows (a row at max_tokens is not planned again)
+    assert counts["chained_rows"] == sum(p.max_tokens - 2 for p in params), counts
+
+
+def test_a_ready_dvr_row_is_verified_while_fast_rows_keep_the_chain_going(make_mock_llm) -> None:
+    """Chained planning still honours the verify trigger (a ready row waits at most W steps): a short
+    deterministic request among long fast ones finishes long before they do."""
+    llm = make_mock_llm(overlap=True, group=4, max_num_seqs=8)
+    core = llm.core
+    det = core.add_request("det", [7, 8, 9], SamplingParams(max_tokens=20, temperature=0.0, deterministic=True,
+                                                           ignore_eos=True))
+    fast = [core.add_request(f"f{i}", [3 + i, 5, 6], SamplingParams(max_tokens=120, temperature=1.0, seed=i,
+                                                                     ignore_eos=True)) for i in range(6)]
+    counts = _count_chained(llm)
+    steps = 0
+    while not det.is_finished:
+        core.step()
+        steps += 1
+    assert counts["chained_steps"] > 0, counts
+    assert not any(f.is_finished for f in fast), (steps, [len(f.tokens) for f in fast])
