@@ -138,9 +138,8 @@ class ModelRunner:
             return
         tokens, dst, src = chain
         assert tokens is not None, "a chained decode needs the previous step's device tokens"
-        dst_t = torch.tensor(dst, dtype=torch.int64).to(ids.device, non_blocking=True)
-        src_t = torch.tensor(src, dtype=torch.int64).to(ids.device, non_blocking=True)
-        ids.index_copy_(0, dst_t, tokens.index_select(0, src_t))
+        index = torch.tensor([dst, src], dtype=torch.int64).to(ids.device, non_blocking=True)  # [2, n], one copy
+        ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
     def verify(self, rows: list[Row]) -> torch.Tensor:

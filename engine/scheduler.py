@@ -145,8 +145,9 @@ class Scheduler:
         return self.blocks.extra_blocks(seq_key(head), prefill_len(head) + 1) <= self.blocks.num_free
 
     def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int) -> bool:
-        """`_plan_verify`'s trigger at step `step`. Like it, starts the wait of rows first seen ready
-        (teacher rows: rebuild / replay) at this step."""
+        """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): >= G rows ready, nothing
+        to decode, or the oldest ready row waited W steps. Rows first seen ready (teacher rows: rebuild /
+        replay) start waiting now, so none starves."""
         if not rows:
             return False
         for s in rows:
@@ -211,29 +212,28 @@ class Scheduler:
         has M = P, the logits GEMM M = the row cap), so a prompt prefilled here, alone or packed, later or
         in a replay, gives the same bits."""
         pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
+        waiting = list(self.waiting)
+        head = waiting[: waiting.index(anchor) + 1]
+        rest = waiting[len(head):]
+        same_size = [s for s in rest if s.kind != SeqKind.FAST
+                     and canonical_prefill_tokens(self.config, prefill_len(s)) == pass_tokens]
+        fast = [s for s in rest if s.kind == SeqKind.FAST]
         items: list[PrefillItem] = []
         budget = pass_tokens
-        head = list(self.waiting)[: self.waiting.index(anchor) + 1]
-        for phase in ("head", "deterministic", "fast"):
-            for seq in head if phase == "head" else list(self.waiting):
-                if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
-                    break
-                n = prefill_len(seq)
-                if phase == "deterministic" and (seq.kind == SeqKind.FAST
-                                                 or canonical_prefill_tokens(self.config, n) != pass_tokens):
-                    continue  # fast prompts come in phase 3; another pass size has its own pass later
-                if phase == "fast" and seq.kind != SeqKind.FAST:
-                    continue
-                item = prefill_item(seq)
-                if n > budget and phase != "head":
-                    continue
-                # a head prompt that does not fit (impossible for an anchor in reach) or KV that is short:
-                # the pass ends here rather than overtake
-                if n > budget or not self._admit(seq, item):
-                    return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
-                self.waiting.remove(seq)
-                items.append(item)
-                budget -= n
+        for i, seq in enumerate(head + same_size + fast):
+            if len(self.running) >= self.config.max_num_seqs or len(items) >= CANONICAL_PREFILL_ROWS:
+                break
+            n = prefill_len(seq)
+            if n > budget and i >= len(head):
+                continue  # phases 2 and 3 skip what does not fit
+            # a head prompt that does not fit (impossible for an anchor in reach) or KV that is short: the
+            # pass ends here rather than overtake
+            item = prefill_item(seq)
+            if n > budget or not self._admit(seq, item):
+                break
+            self.waiting.remove(seq)
+            items.append(item)
+            budget -= n
         return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
 
     def _admit(self, seq: Sequence, item: PrefillItem) -> bool:
@@ -246,14 +246,7 @@ class Scheduler:
         return True
 
     def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
-        if not rows:
-            return None
-        for s in rows:  # teacher rows (rebuild / replay) start waiting when first seen: no starvation
-            if s.ready_since is None:
-                s.ready_since = self.step_index
-        oldest = min(s.ready_since for s in rows if s.ready_since is not None)
-        if not (force or len(rows) >= self.config.group or not decodable
-                or self.step_index - oldest >= self.config.window):
+        if not rows or not (self._verify_due(rows, decodable, self.step_index) or force):
             return None
         chosen = rows[: self.config.group]
         granted = self._allocate([(s, verify_slots(s)) for s in chosen])

@@ -52,6 +52,17 @@ def _seq(i: int, n: int, det: bool) -> Sequence:
     return Sequence(f"r{i}", [7] * n, SamplingParams(deterministic=det), 1, SeqKind.DVR if det else SeqKind.FAST, i)
 
 
+def _full_size_scheduler(seqs: list[Sequence]) -> Scheduler:
+    """A scheduler whose canonical pass is as large as a plain pass (256 tokens, as CUDA's default), with
+    `seqs` queued in order."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256)
+    sched = Scheduler(cfg, set())
+    for s in seqs:
+        sched.add(s)
+    return sched
+
+
 def test_scheduler_packs_same_size_deterministic_prompts_and_fills_with_fast_ones() -> None:
     cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, canonical_prefill_min_tokens=64)
     sched = Scheduler(cfg, set())
@@ -100,11 +111,8 @@ def test_packed_prefill_gives_the_bits_of_a_lone_prefill(make_real_llm: Any, smo
 def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass() -> None:
     """When the canonical pass is as large as a plain pass (the CUDA default), a plain pass reaching a DVR
     prompt becomes canonical and takes it along, instead of stopping before it (one padded pass fewer)."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256)
-    sched = Scheduler(cfg, set())
-    for s in [_seq(0, 30, False), _seq(1, 40, True), _seq(2, 20, False), _seq(3, 200, False)]:
-        sched.add(s)
+    sched = _full_size_scheduler([_seq(0, 30, False), _seq(1, 40, True), _seq(2, 20, False),
+                                  _seq(3, 200, False)])
     plan = sched.schedule()
     assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1", "r2"]
     plan = sched.schedule()
@@ -112,11 +120,7 @@ def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass()
 
 
 def test_deterministic_prompt_beyond_the_budget_does_not_make_the_pass_canonical() -> None:
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256)
-    sched = Scheduler(cfg, set())
-    for s in [_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)]:
-        sched.add(s)
+    sched = _full_size_scheduler([_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)])
     plan = sched.schedule()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
     plan = sched.schedule()
@@ -126,12 +130,8 @@ def test_deterministic_prompt_beyond_the_budget_does_not_make_the_pass_canonical
 def test_deterministic_prompts_go_first_so_the_rest_needs_no_padded_pass() -> None:
     """Every waiting deterministic prompt of the pass size joins the canonical pass before the fast ones
     fill it: the prompts left over are all non-deterministic and take a plain (unpadded) pass."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256)
-    sched = Scheduler(cfg, set())
-    for s in [_seq(0, 40, True), _seq(1, 100, False), _seq(2, 100, False), _seq(3, 50, False),
-              _seq(4, 40, True), _seq(5, 30, False)]:
-        sched.add(s)
+    sched = _full_size_scheduler([_seq(0, 40, True), _seq(1, 100, False), _seq(2, 100, False),
+                                  _seq(3, 50, False), _seq(4, 40, True), _seq(5, 30, False)])
     plan = sched.schedule()
     assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r4", "r1", "r3"]
     plan = sched.schedule()
@@ -155,10 +155,6 @@ def test_a_fast_head_is_never_overtaken_by_deterministic_prompts() -> None:
     """Deterministic prompts of the pass size go first only after the prompts before the anchor: a fast
     prompt at the head that fills most of the pass is prefilled in the first pass, however many
     deterministic prompts keep arriving behind it."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256)
-    sched = Scheduler(cfg, set())
-    for s in [_seq(0, 150, False), _seq(1, 60, True), _seq(2, 60, True)]:
-        sched.add(s)
+    sched = _full_size_scheduler([_seq(0, 150, False), _seq(1, 60, True), _seq(2, 60, True)])
     plan = sched.schedule()
     assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
