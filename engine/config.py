@@ -52,8 +52,12 @@ class EngineConfig:
                                         # row; auto: canonical on CUDA, split on the CPU (whose fp32 fast path
                                         # already agrees with the verifier). Never changes committed bits.
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
-                                        # candidates past the window (None: W-1; 0: wait idle). Never changes
-                                        # committed bits, only how much fast-path work a rollback discards.
+                                        # candidates past the window, and a pass verifies up to G windows,
+                                        # several of one row if it ran ahead (None: (G-1)*W with canonical DVR
+                                        # decode rows, so one row can fill a pass; W-1 with split; 0: wait
+                                        # idle). Never changes committed bits: it trades commit latency (tokens
+                                        # stream once verified) and the work a rollback discards for fewer,
+                                        # fuller verify passes.
     overlap: bool | None = None         # decode steps run one step ahead of the host: the next step is planned
                                         # and launched (its input ids taken from the device) before this one's
                                         # tokens are read. None: on for CUDA, off on the CPU. Never changes a
@@ -93,9 +97,6 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
-        if self.dvr_lookahead is None:
-            object.__setattr__(self, "dvr_lookahead", self.window - 1)
-        _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         if self.canonical_prefill_min_tokens is None:
             # CUDA: the prefill token budget, so a canonical pass holds as much as a plain prefill pass (fast
             # prompts fill it under load); a lone deterministic prompt pays for the whole pass. CPU: small.
@@ -107,6 +108,13 @@ class EngineConfig:
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical" if on_cuda else "split")
+        if self.dvr_lookahead is None:
+            # canonical DVR rows decode with the verifier's numerics (rollbacks are rare), so a row may run
+            # ahead G-1 more windows and have them all verified in one pass; the split kernel rolls back
+            # often enough that run-ahead past one window mostly feeds rollbacks
+            fuller = self.dvr_decode_attention == "canonical"
+            object.__setattr__(self, "dvr_lookahead", (self.group - 1) * self.window if fuller else self.window - 1)
+        _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

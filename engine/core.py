@@ -27,7 +27,7 @@ from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
-from engine.verifier import RowKind, apply_dvr, apply_teacher
+from engine.verifier import RowKind, apply_dvr, apply_teacher, window_applies
 
 Detokenize = Callable[[list[int]], str]
 
@@ -256,13 +256,18 @@ class EngineCore:
             samples, at = flat_samples[at:at + n], at + n
             if row.kind == RowKind.TEACHER:
                 apply_teacher(row, samples)
+            elif row.index and not window_applies(row):
+                continue  # a later window of a row whose earlier window in this pass rolled back or finished it
             else:
                 rollbacks, recomputed = seq.rollbacks, seq.recomputed_tokens
                 apply_dvr(row, samples, self._commit)
                 self.totals.rollbacks += seq.rollbacks - rollbacks
                 self.totals.recomputed_tokens += seq.recomputed_tokens - recomputed
-                self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
             seq.ready_since = None
+        # free the KV past what is kept only now: a later window of the same row in this pass wrote its
+        # canonical K/V past the earlier window's kv_len, and applying it keeps those positions
+        for seq in dict.fromkeys(r.seq for r in plan.verify if r.kind == RowKind.DVR):
+            self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
         self.totals.verify_passes += 1
         self.totals.verify_seconds += time.perf_counter() - t0
         return [r.seq for r in plan.verify]

@@ -5,7 +5,9 @@ Policy per step (first that applies):
    prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass
    (non-deterministic prompts ride along in both); else a run of consecutive non-deterministic prompts
    batched under the token budget.
-2. VERIFY when >= G rows are ready, or nothing can decode, or the oldest ready row waited W steps.
+2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
+   nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
+   ready row).
 3. DECODE every running sequence that can take a fast-path token.
 Preemption (KV exhausted) evicts the newest running sequence; it re-enters the waiting queue's head and
 is rebuilt from its committed state (DVR: prompt alone, then its recorded windows teacher-forced).
@@ -145,17 +147,30 @@ class Scheduler:
         return self.blocks.extra_blocks(seq_key(head), prefill_len(head) + 1) <= self.blocks.num_free
 
     def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int) -> bool:
-        """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): >= G rows ready, nothing
-        to decode, or the oldest ready row waited W steps. Rows first seen ready (teacher rows: rebuild /
-        replay) start waiting now, so none starves."""
+        """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): >= G windows ready,
+        nothing to decode, a ready row that cannot decode (stop candidate, run-ahead cap, teacher windows)
+        waited W steps, or any ready row waited W + dvr_lookahead steps. A row that keeps running ahead
+        while it waits gathers more windows, which a later pass takes together (fewer, fuller passes);
+        its wait is bounded by its run-ahead cap. Rows first seen ready start waiting now, so none starves."""
         if not rows:
             return False
         for s in rows:
             if s.ready_since is None:
                 s.ready_since = step
-        oldest = min(s.ready_since for s in rows if s.ready_since is not None)
-        return len(rows) >= self.config.group or not decodable or step - oldest >= self.config.window
-
+        if not decodable:
+            return True
+        config = self.config
+        g, w = config.group, config.window
+        windows = 0
+        moving = set(decodable)
+        for s in rows:
+            waited = step - (s.ready_since if s.ready_since is not None else step)
+            if waited >= w + config.dvr_lookahead or (waited >= w and s not in moving):
+                return True
+            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g)
+            if windows >= g:
+                return True
+        return False
     def _plan_prefill(self) -> Plan | None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
@@ -246,11 +261,23 @@ class Scheduler:
         return True
 
     def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
+        """Up to G windows, round robin over the ready rows in running order: every row's
+        next window first, then the second windows of rows that ran ahead, and so on (a row's windows stay
+        in order, so its window j always follows window j-1 in the pass)."""
         if not rows or not (self._verify_due(rows, decodable, self.step_index) or force):
             return None
-        chosen = rows[: self.config.group]
-        granted = self._allocate([(s, verify_slots(s)) for s in chosen])
-        built = [teacher_row(s) if s.pending_windows else dvr_row(s, self.config.window) for s in granted]
+        g, w = self.config.group, self.config.window
+        order = rows  # running order (admission): under KV pressure the oldest rows finish first
+        counts = {s.key: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in order}
+        picks: list[tuple[Sequence, int]] = []
+        for index in range(g):
+            for s in order:
+                if len(picks) < g and index < counts[s.key]:
+                    picks.append((s, index))
+        taken = list(dict.fromkeys(s for s, _ in picks))
+        granted = set(self._allocate([(s, verify_slots(s)) for s in taken]))
+        built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index)
+                 for s, index in picks if s in granted]
         return Plan(StepKind.VERIFY, verify=built) if built else None
 
     def _plan_decode(self, seqs: list[Sequence]) -> Plan | None:
@@ -325,6 +352,27 @@ def can_run_ahead(seq: Sequence, window: int, eos_ids: set[int], lookahead: int)
         return False
     cap = min(window - 1 + lookahead, seq.params.max_tokens - len(seq.tokens))
     return seq.num_candidates < cap
+
+
+def dvr_windows(seq: Sequence, window: int, eos_ids: set[int], limit: int) -> int:
+    """How many consecutive windows of a DVR row one verify pass can take now (at most `limit`): window 0
+    once `candidate_done`, then window j >= 1 (input c_{jW}, the bonus slot of window j-1) while the
+    candidates fill it — W-1 of them, or up to max_tokens, or up to a stop candidate. Counts in-flight
+    tokens as candidates (the chained planner's view; a verify pass itself runs with none in flight).
+    Window 0 is there exactly when `candidate_done` holds."""
+    stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
+    n = len(seq.candidates) if stopped else seq.num_candidates  # a token in flight past a stop is dropped
+    left = seq.params.max_tokens - len(seq.tokens)  # outputs still to commit
+    count = 0
+    while count < limit:
+        first = count * window                       # candidates before window `count` (incl. bonus slots)
+        rest, cap = n - first, min(window - 1, left - first)
+        if rest <= 0 or cap <= 0 or (rest < cap and not stopped):
+            break
+        count += 1
+        if rest <= cap:                              # this window holds the last candidate
+            break
+    return count
 
 
 def verify_slots(seq: Sequence) -> int:

@@ -5,6 +5,14 @@ L+s-1 .. L+s-1+k, where s = number of committed outputs; its outputs v_1 .. v_{k
 tokens for output slots s .. s+k. A teacher row (preemption rebuild, replay) for recorded window
 (s, e) is tokens[s-1 : e-1] at positions L+s-1 .. L+e-2 and predicts tokens[s:e]. The runner pads every
 row with dummy tokens up to W and the pass with dummy rows up to G.
+
+Several windows of one DVR row in one pass (run-ahead): window j of a row with candidates c_1 .. c_N is
+[c_{jW}, c_{jW+1} .. c_{jW+W-1}] at positions L+s-1+jW .. — the row as it will stand once windows
+0 .. j-1 committed in full (c_{jW} in window j-1's bonus slot). Every G x W pass first writes all of its
+K/V into the cache, then each query reduces over the cache in the fixed block order, so window j reads
+window j-1's canonical K/V from the same pass and gets the bits a later pass would give it. It is applied
+only if windows 0 .. j-1 did commit in full (`window_applies`); otherwise its outputs are discarded (its
+candidates were already counted as rolled back).
 """
 from __future__ import annotations
 
@@ -32,6 +40,7 @@ class VerifyRow:
     tokens: list[int]                  # real input tokens, 1 <= len <= W
     start_pos: int                     # absolute position of tokens[0]
     window: tuple[int, int] | None     # TEACHER: the recorded (start, end) it re-executes
+    index: int = 0                     # DVR: which window of the row's candidates (0 = the next one)
 
     @property
     def num_outputs(self) -> int:
@@ -39,14 +48,33 @@ class VerifyRow:
         return len(self.tokens)
 
 
-def dvr_row(seq: Sequence, window: int) -> VerifyRow:
-    """[last committed token, the first k candidates], k = min(#candidates, max_candidates(W)); candidates
-    past the window (the fast path ran ahead while the row waited) stay for the next window."""
+def dvr_row(seq: Sequence, window: int, index: int = 0) -> VerifyRow:
+    """Window `index` of a DVR row. Window 0: [last committed token, the first k candidates],
+    k = min(#candidates, max_candidates(W)). Window j >= 1: [c_{jW}, the next k candidates], the row as
+    it stands once windows 0 .. j-1 committed in full (see the module doc). Candidates past the last
+    window taken stay for a later pass."""
     s = len(seq.tokens)
     assert s >= 1 and seq.candidates, (seq.request_id, s, len(seq.candidates))
     assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates), "fast path KV counter drift"
-    k = min(len(seq.candidates), seq.max_candidates(window))
-    return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates[:k]], seq.prompt_len + s - 1, None)
+    if index == 0:
+        k = min(len(seq.candidates), seq.max_candidates(window))
+        return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates[:k]], seq.prompt_len + s - 1, None)
+    first = index * window  # candidates before this window: windows 0 .. j-1 and their bonus slots
+    k = min(len(seq.candidates) - first, window - 1, seq.params.max_tokens - s - first)
+    assert k >= 1, (seq.request_id, index, len(seq.candidates))
+    return VerifyRow(seq, RowKind.DVR, seq.candidates[first - 1: first + k], seq.prompt_len + s - 1 + first,
+                     None, index)
+
+
+def window_applies(row: VerifyRow) -> bool:
+    """A DVR row's window may be applied now: the sequence stands where the row was built for (for a
+    window j >= 1: windows 0 .. j-1 of this pass committed in full, the bonus equal to its first input)."""
+    seq = row.seq
+    if seq.is_finished or not seq.tokens:
+        return False
+    k = len(row.tokens) - 1
+    return (row.start_pos == seq.prompt_len + len(seq.tokens) - 1 and seq.tokens[-1] == row.tokens[0]
+            and seq.candidates[:k] == row.tokens[1:])
 
 
 def teacher_row(seq: Sequence) -> VerifyRow:

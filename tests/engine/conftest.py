@@ -90,8 +90,8 @@ def make_mock_llm() -> Callable[..., Any]:
     from engine.llm import LLM
     from tests.engine.mock_model import MockModel
 
-    def make(model_seed: int = 0, **cfg: Any) -> LLM:
-        model = MockModel(seed=model_seed)
+    def make(model_seed: int = 0, decode_noise: float = 0.3, **cfg: Any) -> LLM:
+        model = MockModel(seed=model_seed, decode_noise=decode_noise)  # 0: the fast path equals the verifier
         cfg.setdefault("window", 8)
         cfg.setdefault("group", 4)
         cfg.setdefault("num_kv_blocks", 64)
