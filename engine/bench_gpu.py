@@ -1071,7 +1071,8 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
         config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
-                                max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir)
+                                max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir,
+                                dvr_lookahead=a.dvr_lookahead)
         return smol_llm(ctx, config)
 
     probe = make("nondeterministic", 0.0)
@@ -1126,7 +1127,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
                                 max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
-                                fault_rate=fault_rate, fault_seed=5)
+                                fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
         llm.bench_graphs = llm.core.runner.graphs_status
         return llm
@@ -1368,6 +1369,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-requests", type=int, default=96)
     p.add_argument("--compare-tokens", type=int, default=128)
     p.add_argument("--compare-cap-s", type=float, default=30.0, help="per mode, ShareGPT-like mixes")
+    p.add_argument("--dvr-lookahead", type=int, default=None,
+                   help="EngineConfig.dvr_lookahead in the compare_modes sections (default: the engine's)")
     p.add_argument("--mode-repeats", type=int, default=3,
                    help="timed runs per mode on its warm engine; the median run (by time) is reported")
     p.add_argument("--fixed-cap-s", type=float, default=80.0, help="per mode, fixed request sets")

@@ -48,7 +48,7 @@ def test_parse_args_defaults() -> None:
 
 
 def _ctx(tmp_path: Path, left_s: float = 600.0) -> bg.Ctx:
-    ctx = bg.Ctx(args=argparse.Namespace(), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
+    ctx = bg.Ctx(args=argparse.Namespace(mode_repeats=2), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
     ctx.deadline = time.perf_counter() + left_s
     return ctx
 
@@ -101,6 +101,9 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
             continue
         assert entry["finished"] == 6 and not entry["capped"], name
         assert entry["committed_tokens"] == 33 and "ratio_to_nondeterministic" in entry
+        # two timed runs on the warm engine; the stats are the reported run's own (not the warm-up's)
+        assert entry["repeats"] == 2 and len(entry["runs_seconds"]) == 2, name
+        assert entry["stats"]["generated_tokens"] == 33 and entry["stats"]["running"] == 0, name
         assert entry["p50_latency_s"] <= entry["p99_latency_s"]
     assert modes["dvr_100pct"]["deterministic_requests"] == 6 and modes["dvr_50pct"]["deterministic_requests"] == 3
     assert modes["dvr_100pct"]["stats"]["verify_passes"] > 0

@@ -101,6 +101,39 @@ def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     assert flags == ([1, 0, 1, 0, 1] if attention == "canonical" else [0] * 5) + [0] * (len(flags) - 5)
 
 
+def test_a_canonical_family_replays_its_plain_graph_when_no_row_is_canonical(smol: Any) -> None:
+    """DVR with canonical decode rows captures each size twice: a step with no canonical row replays the
+    graph without the canonical branch, and its logits are the split engine's bit for bit; a step with
+    one replays the canonical graph (the flagged row's logits differ from the split kernel's)."""
+    from engine.model_runner import Row
+
+    canon = make(smol, num_kv_blocks=400, cuda_graphs=True, dvr_decode_attention="canonical").core.runner
+    split = make(smol, num_kv_blocks=400, cuda_graphs=True, dvr_decode_attention="split").core.runner
+    graphs = canon.decode_graphs
+    assert graphs is not None and graphs.canonical and set(graphs.plain_graphs) == set(graphs.graphs)
+    for runner in (canon, split):  # the same (arbitrary, disjoint) KV content in both caches
+        for layer in range(len(runner.kv.k)):
+            g = torch.Generator(device="cuda").manual_seed(layer)
+            live = runner.kv.k[layer][2:]  # blocks 0 and 1 are the zero and scratch blocks
+            live.copy_(torch.randn(live.shape, generator=g, device="cuda"))
+            runner.kv.v[layer][2:].copy_(torch.randn(live.shape, generator=g, device="cuda"))
+    plain_rows = [Row([5 + i], 40 + 7 * i, [2 + 4 * i, 3 + 4 * i, 4 + 4 * i, 5 + 4 * i], False) for i in range(5)]
+    calls = {"plain": 0, "canonical": 0}
+    for name, table in (("plain", graphs.plain_graphs), ("canonical", graphs.graphs)):
+        for size, graph in list(table.items()):
+            def counted(graph: Any = graph, name: str = name) -> None:
+                calls[name] += 1
+                torch.cuda.CUDAGraph.replay(graph)
+            graph.replay = counted  # type: ignore[method-assign]
+    # both engines write the same K/V for these rows: compare right after the same writes
+    a, b = canon.decode(plain_rows).clone(), split.decode(plain_rows).clone()
+    assert calls == {"plain": 1, "canonical": 0}, calls
+    assert torch.equal(a, b)
+    flagged = [Row(r.tokens, r.start_pos, r.block_table, i == 0) for i, r in enumerate(plain_rows)]
+    canon.decode(flagged)
+    assert calls == {"plain": 1, "canonical": 1}, calls
+
+
 def test_rows_past_the_first_graph_family_use_the_long_family(smol: Any, monkeypatch: Any) -> None:
     """With the first family capped at 32 tokens, rows past it replay the second family (captured up to
     max_model_len) instead of running eagerly: the same committed bits, and the long graphs really ran.
