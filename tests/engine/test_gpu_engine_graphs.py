@@ -117,7 +117,8 @@ def test_a_canonical_family_replays_its_plain_graph_when_no_row_is_canonical(smo
             live = runner.kv.k[layer][2:]  # blocks 0 and 1 are the zero and scratch blocks
             live.copy_(torch.randn(live.shape, generator=g, device="cuda"))
             runner.kv.v[layer][2:].copy_(torch.randn(live.shape, generator=g, device="cuda"))
-    plain_rows = [Row([5 + i], 40 + 7 * i, [2 + 4 * i, 3 + 4 * i, 4 + 4 * i, 5 + 4 * i], False) for i in range(5)]
+    # 4 blocks of 16 slots per row: positions 30 .. 58, inside each row's table
+    plain_rows = [Row([5 + i], 30 + 7 * i, [2 + 4 * i, 3 + 4 * i, 4 + 4 * i, 5 + 4 * i], False) for i in range(5)]
     calls = {"plain": 0, "canonical": 0}
     for name, table in (("plain", graphs.plain_graphs), ("canonical", graphs.graphs)):
         for size, graph in list(table.items()):
