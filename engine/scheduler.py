@@ -171,6 +171,7 @@ class Scheduler:
             if windows >= g:
                 return True
         return False
+
     def _plan_prefill(self) -> Plan | None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
