@@ -167,3 +167,32 @@ def test_multi_window_under_overlap(make_mock_llm, workload) -> None:
     for noise in (0.0, 0.3):
         llm = make_mock_llm(decode_noise=noise, dvr_lookahead=(G - 1) * W, overlap=True)
         assert_same(ref, staggered(llm, prompts, plain, seed=7))
+
+
+def test_verify_trigger_counts_windows_and_bounds_the_wait() -> None:
+    """>= G windows (not rows) trigger a pass; a ready row that still decodes may wait up to W + lookahead
+    steps (it gathers windows meanwhile), one that cannot decode (stop, run-ahead cap) at most W steps."""
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(device="cpu", window=W, group=G, dvr_lookahead=3 * W, num_kv_blocks=64)
+    sched = Scheduler(config, {EOS})
+    other = _seq([], committed=1)  # something else still decoding
+    two = _seq(list(range(30, 30 + 2 * W)))  # 2 full windows
+    assert dvr_windows(two, W, {EOS}, G) == 2
+    step = 100
+    two.ready_since = step
+    assert not sched._verify_due([two], [two, other], step)               # 2 windows < G, just ready
+    other_two = _seq(list(range(40, 40 + 2 * W)))
+    other_two.ready_since = step
+    assert sched._verify_due([two, other_two], [two, other_two, other], step)  # 4 windows = G
+    two.ready_since = step - W
+    assert not sched._verify_due([two], [two, other], step)               # still decoding: may wait on
+    two.ready_since = step - (W + 3 * W)
+    assert sched._verify_due([two], [two, other], step)                   # ... but not past W + lookahead
+    stopped = _seq([*range(30, 30 + 3), EOS])
+    stopped.params = replace(stopped.params, ignore_eos=False)
+    stopped.ready_since = step - (W - 1)
+    assert not sched._verify_due([stopped], [other], step)
+    stopped.ready_since = step - W
+    assert sched._verify_due([stopped], [other], step)                    # cannot decode: W steps at most
+    assert sched._verify_due([stopped], [], step)                         # nothing else to decode: now
