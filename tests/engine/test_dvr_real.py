@@ -189,3 +189,26 @@ def test_stop_string_on_committed_text(make_real_llm) -> None:
     assert out.finish_reason == "stop" and out.text == full.text[: full.text.index(".")]
     assert full.token_ids[: len(out.token_ids)] == out.token_ids
     assert_windows_cover(out, 8)
+
+
+def test_multi_window_passes_on_the_real_model(make_real_llm, workload) -> None:
+    """Canonical DVR decode rows and the default run-ahead ((G-1)*W): rows verified several windows per
+    pass, staggered among non-deterministic traffic, commit the reference bits."""
+    prompts, params = workload
+    longer = [replace(p, max_tokens=p.max_tokens + 20) for p in params[:6]]
+    ref = make_real_llm(dvr_lookahead=0, **SMALL).generate(prompts[:6], longer)
+    llm = make_real_llm(dvr_decode_attention="canonical", **SMALL)
+    assert llm.config.dvr_lookahead == (SMALL["group"] - 1) * SMALL["window"]
+    passes: list[int] = []
+    sched = llm.core.scheduler
+    original = sched.schedule
+
+    def schedule():  # type: ignore[no-untyped-def]
+        plan = original()
+        if plan.verify:
+            passes.append(len(plan.verify) - len({id(r.seq) for r in plan.verify}))  # later windows in it
+        return plan
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    assert_same(ref, staggered(llm, prompts[:6], longer, seed=3))
+    assert sum(passes) > 0, passes  # some pass held two or more windows of one request
