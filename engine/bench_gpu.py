@@ -1011,8 +1011,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
                        "canonical_prefill_min_tokens": llm.config.canonical_prefill_min_tokens,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "repeats": len(runs), "runs_seconds": [r["seconds"] for r in runs],
-                       **{k: v for k, v in run.items() if k != "done"}}
-        done, cap = run["done"], run["cap_s"]
+                       **run}
+        done, cap = run["finished"], run["cap_s"]
         if done < len(prompts) and cap < cap_s:
             modes[name]["capped_by_budget"] = True
             ctx.truncated = True
@@ -1034,7 +1034,10 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
     """One timed run of the requests on a warm engine: tok/s, p50/p99 latency, this run's engine stats."""
     from engine.sampling import SamplingParams
 
-    before = {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}
+    def counters() -> dict[str, int | float]:
+        return {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}
+
+    before = counters()
     seqs = [llm.core.add_request(f"{tag}-{i}", p, SamplingParams(
         max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
         for i, (p, m) in enumerate(zip(prompts, out_lens))]
@@ -1056,11 +1059,11 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
         llm.core.step()
     lat = sorted(done.values())
     tokens = sum(len(s.tokens) for s in seqs)
-    after = {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}
-    stats = {k: (after[k] if k in ("running", "waiting") else after[k] - before.get(k, 0)) for k in after}
+    after = counters()
+    stats = {k: (v if k in ("running", "waiting") else v - before.get(k, 0)) for k, v in after.items()}
     return {"seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
             "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs), "cap_s": round(cap, 1),
-            "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99), "stats": stats, "done": len(done)}
+            "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99), "stats": stats}
 
 
 def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:

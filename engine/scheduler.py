@@ -164,10 +164,10 @@ class Scheduler:
         windows = 0
         moving = set(decodable)
         for s in rows:
-            waited = step - (s.ready_since if s.ready_since is not None else step)
+            waited = step - s.ready_since  # type: ignore[operator]  # set above
             if waited >= w + config.dvr_lookahead or (waited >= w and s not in moving):
                 return True
-            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g)
+            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g - windows)
             if windows >= g:
                 return True
         return False
@@ -268,13 +268,9 @@ class Scheduler:
         if not rows or not (self._verify_due(rows, decodable, self.step_index) or force):
             return None
         g, w = self.config.group, self.config.window
-        order = rows  # running order (admission): under KV pressure the oldest rows finish first
-        counts = {s.key: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in order}
-        picks: list[tuple[Sequence, int]] = []
-        for index in range(g):
-            for s in order:
-                if len(picks) < g and index < counts[s.key]:
-                    picks.append((s, index))
+        # running order (admission), not readiness: under KV pressure the oldest rows finish first
+        counts = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in rows}
+        picks = [(s, j) for j in range(g) for s in rows if j < counts[s]][:g]
         taken = list(dict.fromkeys(s for s, _ in picks))
         granted = set(self._allocate([(s, verify_slots(s)) for s in taken]))
         built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index)
