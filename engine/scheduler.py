@@ -2,9 +2,9 @@
 
 Policy per step (first that applies):
 1. PREFILL the head of the waiting queue: a canonical pass (fixed size) when the head is a DVR or replay
-   prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass
-   (non-deterministic prompts ride along in both); else a run of consecutive non-deterministic prompts
-   batched under the token budget.
+   prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass, or
+   would leave prompts over while such a one waits further back (non-deterministic prompts ride along in
+   all three); else a run of consecutive non-deterministic prompts batched under the token budget.
 2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
    nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
    ready row).
@@ -15,6 +15,7 @@ is rebuilt from its committed state (DVR: prompt alone, then its recorded window
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -177,9 +178,9 @@ class Scheduler:
             return None
         if self.waiting[0].kind != SeqKind.FAST:
             return self._plan_canonical_prefill(self.waiting[0])
-        anchor = self._full_size_canonical_in_reach()
+        anchor, in_reach = self._full_size_canonical_anchor()
         if anchor is not None:
-            return self._plan_canonical_prefill(anchor)
+            return self._plan_canonical_prefill(anchor, in_reach)
         items: list[PrefillItem] = []
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(self.running) < self.config.max_num_seqs:
@@ -194,31 +195,47 @@ class Scheduler:
             budget -= len(item.tokens)
         return Plan(StepKind.PREFILL, prefill=items) if items else None
 
-    def _full_size_canonical_in_reach(self) -> Sequence | None:
-        """The first DVR / replay prompt a plain pass would reach (queue order, within the token budget and
-        the row caps) whose canonical pass is as large as a plain pass (P = max_num_batched_tokens, the CUDA
-        default). The pass is then planned canonical around it: it takes the non-deterministic prompts a
-        plain pass would take before it, then it and the other deterministic prompts of its size, instead
-        of stopping at the first of them and leaving it a mostly padded pass of its own."""
+    def _full_size_canonical_anchor(self) -> tuple[Sequence | None, bool]:
+        """(anchor, in reach): the DVR / replay prompt around which this prefill pass is planned canonical,
+        when its canonical pass is as large as a plain pass (P = max_num_batched_tokens, the CUDA default).
+
+        In reach: the first such prompt a plain pass would reach (queue order, within the token budget and
+        the row caps). The pass takes the non-deterministic prompts a plain pass would take before it, then
+        it and the other deterministic prompts of its size, instead of stopping at the first of them and
+        leaving it a mostly padded pass of its own.
+        Beyond reach: a plain pass would stop (budget or rows) with prompts left over, so another pass
+        follows anyway; the first full-size DVR prompt further back is pulled into this one (after the
+        queue's head), so that the pass left for the end is not a padded canonical one. On the H200's
+        ShareGPT-like set (96 prompts arriving together, two prefill passes) that padding was the ~35 ms
+        a dvr run at 2 or 10 % deterministic traffic spent beyond its verify passes (session 5, ab39fd6).
+        (None, False) when neither applies."""
         budget, rows = self.config.max_num_batched_tokens, 0
         room = min(self.config.max_num_seqs - len(self.running), CANONICAL_PREFILL_ROWS)
-        for seq in self.waiting:
+
+        def full_size(seq: Sequence) -> bool:
+            return canonical_prefill_tokens(self.config, prefill_len(seq)) == self.config.max_num_batched_tokens
+
+        for i, seq in enumerate(self.waiting):
             n = prefill_len(seq)
             if n > budget or rows >= room:
-                return None
+                if i == 0:
+                    return None, False
+                beyond = (s for s in itertools.islice(self.waiting, i, None) if s.kind != SeqKind.FAST)
+                return next((s for s in beyond if full_size(s)), None), False
             if seq.kind != SeqKind.FAST:
-                full = canonical_prefill_tokens(self.config, n) == self.config.max_num_batched_tokens
-                return seq if full else None
+                return (seq if full_size(seq) else None), True
             budget, rows = budget - n, rows + 1
-        return None
+        return None, False
 
-    def _plan_canonical_prefill(self, anchor: Sequence) -> Plan | None:
+    def _plan_canonical_prefill(self, anchor: Sequence, in_reach: bool = True) -> Plan | None:
         """A canonical prefill pass: exactly P tokens (P = canonical_prefill_tokens of the anchor, a DVR /
-        replay prompt: the queue's head, or one a plain pass would reach) and at most
-        CANONICAL_PREFILL_ROWS prompts, taken in three phases, each in queue order:
+        replay prompt: the queue's head, one a plain pass would reach, or — not in reach — one further back
+        of the full pass size) and at most CANONICAL_PREFILL_ROWS prompts, taken in three phases, each in
+        queue order:
 
             1. the prompts before the anchor (all non-deterministic: a plain pass would take them) and the
-               anchor itself, so the queue's head is never overtaken;
+               anchor itself, so the queue's head is never overtaken; for an anchor not in reach, only the
+               queue's head (the anchor joins in phase 2);
             2. every other waiting DVR / replay prompt with the same P that fits: deterministic prompts can
                only be prefilled in such a pass, so taking them now leaves fewer leftovers that need a padded
                pass of their own;
@@ -229,7 +246,7 @@ class Scheduler:
         in a replay, gives the same bits."""
         pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
         waiting = list(self.waiting)
-        head = waiting[: waiting.index(anchor) + 1]
+        head = waiting[: waiting.index(anchor) + 1] if in_reach else waiting[:1]
         rest = waiting[len(head):]
         same_size = [s for s in rest if s.kind != SeqKind.FAST
                      and canonical_prefill_tokens(self.config, prefill_len(s)) == pass_tokens]

@@ -119,12 +119,48 @@ def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r3"]
 
 
-def test_deterministic_prompt_beyond_the_budget_does_not_make_the_pass_canonical() -> None:
+def test_deterministic_prompt_beyond_the_budget_joins_a_pass_that_leaves_prompts_over() -> None:
+    """A plain pass would stop before the DVR prompt (budget) with prompts left over: the pass becomes
+    canonical, the head first, then the DVR prompt, then the fast prompts that still fit; the one left
+    over takes a plain pass, where before the DVR prompt got a padded 256-token pass of its own."""
     sched = _full_size_scheduler([_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)])
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r2"]
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r1"]
+
+
+def test_deterministic_prompt_beyond_the_row_cap_joins_the_pass() -> None:
+    """The same when the plain pass stops at the row cap (max_num_seqs) rather than the budget."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=256, max_num_seqs=3)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 10, False), _seq(1, 10, False), _seq(2, 10, False), _seq(3, 10, True)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r0", "r3", "r1"]
+
+
+def test_a_small_canonical_pass_is_not_pulled_forward() -> None:
+    """A DVR prompt whose canonical pass is smaller than a plain pass (min tokens below the budget) is not
+    pulled into a plain pass: it waits for its own small canonical pass."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=64)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)]:
+        sched.add(s)
     plan = sched.schedule()
     assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
     plan = sched.schedule()
-    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r2"]
+    assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r2"]
+
+
+def test_a_queue_that_fits_one_plain_pass_stays_plain_after_its_deterministic_prompt() -> None:
+    """Nothing is pulled forward when no prompt is left over: a plain pass that stops at the budget's end
+    with the queue empty, or at a small-pass DVR prompt, keeps its plain shape."""
+    sched = _full_size_scheduler([_seq(0, 100, False), _seq(1, 40, False)])
+    plan = sched.schedule()
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
 
 
 def test_deterministic_prompts_go_first_so_the_rest_needs_no_padded_pass() -> None:
