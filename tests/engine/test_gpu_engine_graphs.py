@@ -158,3 +158,29 @@ def test_rows_past_the_first_graph_family_use_the_long_family(smol: Any, monkeyp
     runner.long_decode_graphs.run = counting
     assert_same(want, run(graphed))
     assert used["long"] > 0, used
+
+
+def test_the_verify_graph_serves_rows_past_the_first_decode_family(smol: Any, monkeypatch: Any) -> None:
+    """The verify graph's block table spans max_model_len (its kernel grid does not depend on the table
+    width): with the decode families split at 32 tokens, verify passes over rows longer than that still
+    replay the graph, and commit the eager engine's bits."""
+    import engine.cuda_graphs as cg
+
+    monkeypatch.setattr(cg, "GRAPH_MAX_LEN", 32)
+    want = run(make(smol, num_kv_blocks=400, max_model_len=256))
+    graphed = make(smol, num_kv_blocks=400, max_model_len=256, cuda_graphs=True)
+    runner = graphed.core.runner
+    assert runner.verify_graph is not None and "+verify" in runner.graphs_status, runner.graphs_status
+    assert runner.verify_graph.max_blocks * 16 == 256
+    widest = {"rows_past_32": 0, "eager": 0}
+    stage = runner.verify_graph.stage
+
+    def counting(ids: Any, positions: Any, slots: Any, seq_lens: Any, tables: Any) -> bool:
+        ok = stage(ids, positions, slots, seq_lens, tables)
+        widest["rows_past_32"] += ok and max(int(n) for n in seq_lens) > 32
+        widest["eager"] += not ok
+        return ok
+
+    runner.verify_graph.stage = counting
+    assert_same(want, run(graphed))
+    assert widest["rows_past_32"] > 0 and widest["eager"] == 0, widest
