@@ -6,7 +6,8 @@
 # Stages: setup (wheels from .whl/, SmolLM2 GGUF from ~/gm parts), tests (every `gpu`-marked test),
 # core (issue 5 benchmark on the synthetic 8B), replay (issue 4), bi (batch-invariant numerics breakdown),
 # probe (batch-invariant GEMM tile shapes), modes (issue 6 comparison on the 8B
-# and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set).
+# and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set), canonical (what a
+# decode step pays for canonical DVR rows: bench/canonical_step_probe.py).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -62,6 +63,10 @@ stage_probe() {
 stage_long() {
   timeout "${LONG_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections long --out "$OUT" \
     --name gpu-bench-long ${LONG_ARGS:-} 2>&1 | tail -40
+}
+
+stage_canonical() {
+  timeout "${CANONICAL_TIMEOUT:-150}" python3 bench/canonical_step_probe.py --out "$OUT" 2>&1 | tail -14
 }
 
 for s in "$@"; do

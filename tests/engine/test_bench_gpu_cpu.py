@@ -132,3 +132,16 @@ def test_summary_reads_committed_results() -> None:
     assert any("at-0c7caef" in str(p) for p in paths) and len(paths) >= 15, paths
     for path in paths:
         assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
+
+
+def test_canonical_step_probe_script_imports_and_parses_its_arguments() -> None:
+    """`bench/canonical_step_probe.py` (the `canonical` stage of bench/h200.sh) loads on a CPU checkout:
+    its imports from engine.bench_gpu resolve and --help lists its options (the timing itself needs CUDA)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "canonical_step_probe.py"
+    out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
+                         check=True).stdout
+    assert "--context" in out and "--reps" in out
