@@ -108,6 +108,29 @@ def test_packed_prefill_gives_the_bits_of_a_lone_prefill(make_real_llm: Any, smo
     assert_same(mixed[:4], alone)
 
 
+def test_a_pulled_forward_prompt_gives_the_bits_of_a_lone_prefill(make_real_llm: Any, smollm2_source: Any
+                                                                   ) -> None:
+    """A DVR prompt behind a queue that overflows a plain pass is pulled into the first pass (after the
+    head, ahead of fast prompts): its committed ids and logprobs equal those of the same prompt prefilled
+    alone, bit for bit (P = 64 = the prefill budget, the CUDA default's shape)."""
+    tok = smollm2_source.tokenizer
+    cfg = dict(window=4, group=2, max_num_batched_tokens=64, canonical_prefill_min_tokens=64)
+    fast_prompts = [list(tok.encode(t)) for t in ("word " * 30, "two " * 14, "three " * 20)]
+    det_prompt = list(tok.encode("The capital of France is"))
+    det = SamplingParams(max_tokens=6, temperature=0.8, seed=9, deterministic=True, ignore_eos=True)
+    alone = make_real_llm(**cfg).generate([det_prompt], [det])
+    llm = make_real_llm(**cfg)
+    assert sum(map(len, fast_prompts[:2])) <= 64 < sum(map(len, fast_prompts))  # a plain pass leaves f2 over
+    sched, plans = llm.core.scheduler, []
+    schedule = sched.schedule
+    sched.schedule = lambda: plans.append(schedule()) or plans[-1]  # type: ignore[method-assign]
+    fast = [SamplingParams(max_tokens=2, temperature=1.0, seed=i) for i in range(len(fast_prompts))]
+    mixed = llm.generate(fast_prompts + [det_prompt], fast + [det])
+    first = plans[0]
+    assert first.pass_tokens == 64 and [it.seq.kind for it in first.prefill][:2] == [SeqKind.FAST, SeqKind.DVR]
+    assert_same(mixed[-1:], alone)
+
+
 def test_fast_head_and_full_size_deterministic_prompt_share_one_canonical_pass() -> None:
     """When the canonical pass is as large as a plain pass (the CUDA default), a plain pass reaching a DVR
     prompt becomes canonical and takes it along, instead of stopping before it (one padded pass fewer)."""
