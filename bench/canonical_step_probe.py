@@ -3,9 +3,10 @@
     python bench/canonical_step_probe.py --out DIR [--context 256] [--reps 50]
 
 Times the captured decode step (CUDA events, median of --reps) at batch 16 and 64, rows at --context
-keys, for: the plain graph (no canonical branch), the canonical graph with no / one / every row
-flagged, with the canonical rows on a side stream (the default) and on the current stream. Writes
-canonical-step-probe.json to DIR.
+keys, with no / one / every row flagged canonical: canonical rows on a side stream beside the split kernel
+(dvr_decode_attention="canonical", the default: "side"), on the current stream ("same"), and every row of
+a step with a flagged row canonical (dvr_decode_attention="canonical_step": "step"); "none" replays the
+plain graph. Writes canonical-step-probe.json to DIR.
 """
 from __future__ import annotations
 
@@ -37,10 +38,10 @@ def main() -> int:
     kv = model.allocate_kv_cache(2 + max(batches) * nb, BLOCK_SIZE)
     fill_cache_(kv)
     result: dict = {"environment": environment(sys.argv), "context": a.context, "runs": {}}
-    for concurrent in (True, False):
+    for variant, concurrent, step in (("side", True, False), ("same", False, False), ("step", True, True)):
         model.attention.concurrent_canonical = concurrent
         graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                              batch_sizes=batches, canonical=True)
+                              batch_sizes=batches, canonical=True, canonical_step=step)
         graphs.capture()
         for b in batches:
             tables = contiguous_tables(b, nb)
@@ -48,7 +49,7 @@ def main() -> int:
             pos, lens = [a.context - 1] * b, [a.context] * b
             for name, flags in (("none", [0] * b), ("one", [1] + [0] * (b - 1)), ("all", [1] * b)):
                 t = time_cuda(lambda: graphs.run(ids, pos, lens, tables, flags), reps=a.reps)
-                key = f"b{b}-{'side' if concurrent else 'same'}-{name}"
+                key = f"b{b}-{variant}-{name}"
                 result["runs"][key] = t["median_ms"]
                 print(key, round(t["median_ms"], 4), "ms", flush=True)
         del graphs

@@ -49,7 +49,9 @@ class EngineConfig:
                                         # when its graph is bit-exact with eager (checked at capture)
     dvr_decode_attention: str = "auto"  # DVR rows of a decode step: "canonical" = the verifier's attention
                                         # numerics (fewer rollbacks), "split" = the fast kernel like every other
-                                        # row; auto: canonical on CUDA, split on the CPU (whose fp32 fast path
+                                        # row; "canonical_step" = as canonical, and a step holding a DVR row runs
+                                        # every row canonical (one kernel; Triton only, else as canonical);
+                                        # auto: canonical on CUDA, split on the CPU (whose fp32 fast path
                                         # already agrees with the verifier). Never changes committed bits.
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
                                         # candidates past the window, and a pass verifies up to G windows,
@@ -82,8 +84,8 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.dvr_decode_attention in ("auto", "canonical", "split"), "dvr_decode_attention",
-               f"one of auto/canonical/split, got {self.dvr_decode_attention!r}")
+        _check(self.dvr_decode_attention in ("auto", "canonical", "canonical_step", "split"), "dvr_decode_attention",
+               f"one of auto/canonical/canonical_step/split, got {self.dvr_decode_attention!r}")
         _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
         if self.mode == Mode.BATCH_INVARIANT:  # the mode fixes the numerics, attention included
             _check(self.attention_backend in ("auto", "torch", "batch_invariant"), "attention_backend",
@@ -112,7 +114,7 @@ class EngineConfig:
             # canonical DVR rows decode with the verifier's numerics (rollbacks are rare), so a row may run
             # ahead G-1 more windows and have them all verified in one pass; the split kernel rolls back
             # often enough that run-ahead past one window mostly feeds rollbacks
-            fuller = self.dvr_decode_attention == "canonical"
+            fuller = self.dvr_decode_attention != "split"
             object.__setattr__(self, "dvr_lookahead", (self.group - 1) * self.window if fuller else self.window - 1)
         _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",

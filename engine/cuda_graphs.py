@@ -148,7 +148,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_seq_len: int,
                  scratch_slot: int, zero_block: int = 0, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 canonical: bool = False) -> None:
+                 canonical: bool = False, canonical_step: bool = False) -> None:
         backend = getattr(getattr(model, "attention", None), "name", None)
         if backend not in GRAPH_SAFE_BACKENDS:
             raise ValueError(f"CUDA graphs need an attention backend whose decode plan needs no host sync "
@@ -159,6 +159,7 @@ class DecodeGraphs:
         self.sizes = sorted({b for b in batch_sizes if b < max_batch} | {max_batch})
         self.scratch_slot, self.zero_block = scratch_slot, zero_block
         self.canonical = canonical  # captured forwards read static canonical_rows (DVR, canonical decode)
+        self.canonical_step = canonical_step  # and their canonical graphs run every row canonical
         device = kv.k[0].device
         self.static = _StaticPass(max_batch, 1, self.max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -171,13 +172,15 @@ class DecodeGraphs:
     @classmethod
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
                    scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False,
-                   pool: Any = None) -> DecodeGraphs:
+                   pool: Any = None, canonical_step: bool = False) -> DecodeGraphs:
         """Captured graphs for an engine's model runner, rows up to min(max_model_len, graph_max_len) tokens
         (`run` returns None for longer ones: the runner tries its next family, then eager decode).
-        `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical". `pool`: another
+        `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical" (or "canonical_step":
+        `canonical_step`, the canonical graphs send every row through the canonical kernel). `pool`: another
         family's graph memory pool to share (graphs replay one at a time on one stream)."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
-                     scratch_slot=scratch_block * kv.block_size, canonical=canonical)
+                     scratch_slot=scratch_block * kv.block_size, canonical=canonical,
+                     canonical_step=canonical_step)
         graphs.pool = pool
         graphs.capture()
         return graphs
@@ -193,7 +196,8 @@ class DecodeGraphs:
         ids, pos, slots, lens, tables, qsl = self.static.views(rows)
         meta = AttentionMetadata(kind=PassKind.DECODE, slot_mapping=slots, query_start_loc=qsl,
                                  seq_lens=lens, block_tables=tables,
-                                 canonical_rows=self.static.canonical_rows(rows) if canonical else None)
+                                 canonical_rows=self.static.canonical_rows(rows) if canonical else None,
+                                 canonical_step=canonical and self.canonical_step)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
     @torch.inference_mode()

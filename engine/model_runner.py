@@ -82,7 +82,10 @@ class ModelRunner:
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
-        self.canonical_decode = config.mode == Mode.DVR and config.dvr_decode_attention == "canonical"
+        self.canonical_decode = config.mode == Mode.DVR and config.dvr_decode_attention in ("canonical",
+                                                                                              "canonical_step")
+        # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel
+        self.canonical_step = self.canonical_decode and config.dvr_decode_attention == "canonical_step"
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
         #                                            GRAPH_MAX_LEN tokens)
         self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len
@@ -165,7 +168,8 @@ class ModelRunner:
         try:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
                                                          self.max_model_len, SCRATCH_BLOCK,
-                                                         graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode)
+                                                         graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode,
+                                                         canonical_step=self.canonical_step)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
@@ -177,7 +181,7 @@ class ModelRunner:
                 self.long_decode_graphs = DecodeGraphs.for_engine(
                     self.model, self.kv, self.config.max_num_seqs, self.max_model_len, SCRATCH_BLOCK,
                     graph_max_len=self.max_model_len, canonical=self.canonical_decode,
-                    pool=self.decode_graphs.pool)
+                    canonical_step=self.canonical_step, pool=self.decode_graphs.pool)
                 self.graphs_status += f"+long{self.max_model_len}"
             except (ValueError, RuntimeError) as exc:
                 self.graphs_status += f"; rows past {GRAPH_MAX_LEN} eager (capture failed: {type(exc).__name__})"
@@ -241,6 +245,7 @@ class ModelRunner:
             seq_lens=dev[offs[2]: offs[2] + r],
             block_tables=dev[offs[4]: offs[4] + r * nb].view(r, nb),
             canonical_rows=None if canonical is None else dev[offs[3]: offs[3] + r],
+            canonical_step=canonical is not None and self.canonical_step,
         )
         return i64[:t], i64[t: 2 * t], meta
 

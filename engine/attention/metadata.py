@@ -31,6 +31,10 @@ class AttentionMetadata:
     # (a DVR row: its fast-path candidate then agrees with the verifier more often); 0 = any fast kernel.
     # Backends without a separate decode kernel ignore it. A static buffer under CUDA graphs.
     canonical_rows: torch.Tensor | None = None
+    # DECODE with canonical_rows: True = every row of this step takes the canonical numerics, flagged or not
+    # (one canonical launch instead of the split kernel beside a canonical one; the other rows' bits are
+    # free anyway). Backends that do not split decode ignore it.
+    canonical_step: bool = False
 
     @property
     def num_rows(self) -> int:

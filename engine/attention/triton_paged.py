@@ -286,7 +286,10 @@ class TritonPagedAttention:
     def plan(self, meta: AttentionMetadata, block_size: int) -> TritonPlan:
         num_tokens, num_rows = meta.num_tokens, meta.num_rows
         decode_shape = meta.kind is PassKind.DECODE and num_tokens == num_rows
-        one_per_row = decode_shape and self.decode == "split"
+        # a step whose flagged rows ask for it (canonical_step) runs every row canonical, like decode="canonical"
+        whole = decode_shape and (self.decode == "canonical"
+                                  or (meta.canonical_step and meta.canonical_rows is not None))
+        one_per_row = decode_shape and not whole
         if decode_shape:
             max_q = 1
         elif meta.kind is PassKind.VERIFY:
@@ -301,7 +304,7 @@ class TritonPagedAttention:
         canonical = _row_mask(meta.canonical_rows, num_rows) if one_per_row else None
         return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, max_q, one_per_row, canonical,
-                          canonical_decode=decode_shape and self.decode == "canonical")
+                          canonical_decode=whole)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The stream canonical decode rows run on, beside the split kernel on the current stream (both

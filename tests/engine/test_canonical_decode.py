@@ -10,6 +10,7 @@ a CUDA graph whose mask changes between replays.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -88,6 +89,13 @@ def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, in
     canonical = tp.TritonPagedAttention(split_size=split_size, decode="canonical")
     everywhere = canonical.forward(case["q"], k, v, case["k_cache"], case["v_cache"],
                                    canonical.plan(meta, bs), scale)
+    # dvr_decode_attention="canonical_step": a step with flagged rows runs every row canonical, one launch
+    step_plan = backend.plan(dataclasses.replace(meta, canonical_step=True), bs)
+    assert step_plan.canonical_decode and not step_plan.one_query_per_row
+    whole = backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"], step_plan, scale)
+    assert torch.equal(whole, everywhere), "a canonical step differs from decode='canonical'"
+    no_flags = backend.plan(dataclasses.replace(_decode_meta(case, None), canonical_step=True), bs)
+    assert no_flags.one_query_per_row and not no_flags.canonical_decode  # nothing flagged: the split kernel
     for r, flagged in enumerate(mask):
         if not flagged:
             assert torch.equal(out[r], split[r]), f"unflagged row {r} differs from the split decode"

@@ -179,7 +179,7 @@ def test_run_ahead_changes_speed_not_bits(make_mock_llm, workload) -> None:
     assert ahead.core.totals.decode_passes > idle.core.totals.decode_passes, (ahead.core.totals, idle.core.totals)
 
 
-@pytest.mark.parametrize("attention", ["canonical", "split"])
+@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "split"])
 def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: str) -> None:
     """dvr_decode_attention="canonical": each decode step marks exactly its DVR rows canonical (fast rows
     keep the split kernel); "split": no row is marked."""
@@ -202,4 +202,4 @@ def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: 
     llm.generate(prompts, mixed)
     assert any(any(dvr) and not all(dvr) for dvr, _ in seen), "no decode step mixed fast and DVR rows"
     for dvr, flags in seen:
-        assert flags == (dvr if attention == "canonical" else [False] * len(dvr))
+        assert flags == (dvr if attention != "split" else [False] * len(dvr))

@@ -61,6 +61,10 @@ def test_graphs_do_not_change_committed_bits(smol: Any) -> None:
     got = run(graphed)
     assert_same(want, got)
     assert all(o.verify_passes >= 1 for o in got)
+    # canonical_step (a step holding a DVR row runs every row canonical): another fast path, the same bits
+    stepped = make(smol, num_kv_blocks=400, cuda_graphs=True, dvr_decode_attention="canonical_step")
+    assert stepped.core.runner.decode_graphs.canonical_step
+    assert_same(want, run(stepped))
 
 
 def test_kv_budget_follows_free_memory(smol: Any) -> None:
@@ -77,7 +81,7 @@ def test_kv_budget_follows_free_memory(smol: Any) -> None:
     assert 0.04 * free_before <= kv_bytes <= 0.05 * free_before + per_block
 
 
-@pytest.mark.parametrize("attention", ["canonical", "split"])
+@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "split"])
 def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     """A steady-state graph decode step stages into static buffers and returns a view of the static
     float32 logits: no device allocation. DVR with canonical decode passes the static canonical_rows."""
@@ -86,7 +90,8 @@ def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     llm = make(smol, num_kv_blocks=400, cuda_graphs=True, dvr_decode_attention=attention)
     runner = llm.core.runner
     assert runner.decode_graphs is not None, runner.graphs_status
-    assert runner.decode_graphs.canonical == (attention == "canonical")
+    assert runner.decode_graphs.canonical == (attention != "split")
+    assert runner.decode_graphs.canonical_step == (attention == "canonical_step")
     rows = [Row([5 + i], 20 + i, [2 + 2 * i, 3 + 2 * i], i % 2 == 0) for i in range(5)]  # blocks of no sequence
     first = runner.decode(rows).clone()
     torch.cuda.synchronize()
@@ -98,7 +103,7 @@ def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     assert logits.dtype == torch.float32 and tuple(logits.shape) == (5, smol[2].vocab_size)
     assert torch.equal(logits, first)  # same inputs, same KV writes: the replay is deterministic
     flags = runner.decode_graphs.static.canonical_rows(runner.decode_graphs.padded_size(5)).tolist()
-    assert flags == ([1, 0, 1, 0, 1] if attention == "canonical" else [0] * 5) + [0] * (len(flags) - 5)
+    assert flags == ([1, 0, 1, 0, 1] if attention != "split" else [0] * 5) + [0] * (len(flags) - 5)
 
 
 def test_a_canonical_family_replays_its_plain_graph_when_no_row_is_canonical(smol: Any) -> None:

@@ -100,6 +100,7 @@ def test_layout_refuses_a_table_too_short() -> None:
 
 
 @pytest.mark.parametrize("mode,attention,expect", [("dvr", "canonical", True), ("dvr", "split", False),
+                                                   ("dvr", "canonical_step", True),
                                                    ("nondeterministic", "canonical", False)])
 def test_forward_tensors_and_canonical_rows(mode: str, attention: str, expect: bool) -> None:
     run, model = runner(mode=mode, dvr_decode_attention=attention)
@@ -115,8 +116,9 @@ def test_forward_tensors_and_canonical_rows(mode: str, attention: str, expect: b
     if expect:
         assert meta.canonical_rows is not None and meta.canonical_rows.dtype == torch.int32
         assert meta.canonical_rows.tolist() == [int(r.canonical) for r in rows]
+        assert meta.canonical_step == (attention == "canonical_step")
     else:
-        assert meta.canonical_rows is None
+        assert meta.canonical_rows is None and not meta.canonical_step
     run.verify(rows[:3])  # verify passes never carry canonical_rows
     assert model.calls[-1][2].canonical_rows is None and model.calls[-1][2].kind == PassKind.VERIFY
 

@@ -88,6 +88,8 @@ def _verify_plans(llm: Any) -> list[list[tuple[str, int]]]:
 def test_default_lookahead_lets_one_row_fill_a_pass_with_canonical_rows() -> None:
     assert EngineConfig(device="cpu", window=W, group=G, dvr_decode_attention="canonical").dvr_lookahead == (G - 1) * W
     assert EngineConfig(device="cpu", window=W, group=G, dvr_decode_attention="split").dvr_lookahead == W - 1
+    assert EngineConfig(device="cpu", window=W, group=G,
+                        dvr_decode_attention="canonical_step").dvr_lookahead == (G - 1) * W
     assert EngineConfig(device="cpu", window=W, group=G, dvr_lookahead=3).dvr_lookahead == 3
 
 
