@@ -82,10 +82,10 @@ class ModelRunner:
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
-        self.canonical_decode = config.mode == Mode.DVR and config.dvr_decode_attention in ("canonical",
-                                                                                              "canonical_step")
+        dvr = config.mode == Mode.DVR
+        self.canonical_decode = dvr and config.dvr_decode_attention in ("canonical", "canonical_step")
         # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel
-        self.canonical_step = self.canonical_decode and config.dvr_decode_attention == "canonical_step"
+        self.canonical_step = dvr and config.dvr_decode_attention == "canonical_step"
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
         #                                            GRAPH_MAX_LEN tokens)
         self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len

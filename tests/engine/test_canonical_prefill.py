@@ -178,12 +178,17 @@ def test_a_small_canonical_pass_is_not_pulled_forward() -> None:
     assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r2"]
 
 
-def test_a_queue_that_fits_one_plain_pass_stays_plain_after_its_deterministic_prompt() -> None:
-    """Nothing is pulled forward when no prompt is left over: a plain pass that stops at the budget's end
-    with the queue empty, or at a small-pass DVR prompt, keeps its plain shape."""
-    sched = _full_size_scheduler([_seq(0, 100, False), _seq(1, 40, False)])
+def test_an_oversized_head_is_prefilled_plain_before_a_deterministic_prompt_is_pulled() -> None:
+    """A preempted fast sequence re-prefills prompt + outputs, which can exceed the budget: a plain pass
+    takes it alone. It would not fit a canonical pass of the budget's size, so no DVR prompt is pulled
+    forward behind it (that pass would end empty and nothing would be prefilled); the DVR prompt goes next."""
+    head = _seq(0, 200, False)
+    head.tokens = [5] * 100  # re-prefill: 200 + 99 tokens > 256
+    sched = _full_size_scheduler([head, _seq(1, 20, True)])
     plan = sched.schedule()
-    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0", "r1"]
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r0"]
+    plan = sched.schedule()
+    assert plan.pass_tokens == 256 and [it.seq.request_id for it in plan.prefill] == ["r1"]
 
 
 def test_deterministic_prompts_go_first_so_the_rest_needs_no_padded_pass() -> None:
