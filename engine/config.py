@@ -51,8 +51,9 @@ class EngineConfig:
                                         # numerics (fewer rollbacks), "split" = the fast kernel like every other
                                         # row; "canonical_step" = as canonical, and a step holding a DVR row runs
                                         # every row canonical (one kernel; Triton only, else as canonical);
-                                        # auto: canonical on CUDA, split on the CPU (whose fp32 fast path
-                                        # already agrees with the verifier). Never changes committed bits.
+                                        # auto: canonical_step on CUDA (seventh session: measured best on the
+                                        # H200 sets, README), split on the CPU (whose fp32 fast path already
+                                        # agrees with the verifier). Never changes committed bits.
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
                                         # candidates past the window, and a pass verifies up to G windows,
                                         # several of one row if it ran ahead (None: (G-1)*W with canonical DVR
@@ -109,7 +110,7 @@ class EngineConfig:
             object.__setattr__(self, "overlap", on_cuda)
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
         if self.dvr_decode_attention == "auto":
-            object.__setattr__(self, "dvr_decode_attention", "canonical" if on_cuda else "split")
+            object.__setattr__(self, "dvr_decode_attention", "canonical_step" if on_cuda else "split")
         if self.dvr_lookahead is None:
             # canonical DVR rows decode with the verifier's numerics (rollbacks are rare), so a row may run
             # ahead G-1 more windows and have them all verified in one pass; the split kernel rolls back

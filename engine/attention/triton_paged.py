@@ -20,10 +20,13 @@ Two kernels over the paged KV cache (per layer `k_cache, v_cache: [num_blocks, b
 
 * `decode_attention` — DECODE passes (one query per row). Split-KV with a FIXED SPLIT SIZE (not a
   fixed split count): split s covers keys [s*SPLIT, (s+1)*SPLIT) of the row, and the splits are merged
-  in increasing s. A row's result depends only on its own keys, so the kernel is batch-invariant too
-  (but its bits are not the prefill kernel's, so the `batch_invariant` mode decodes canonically). The
-  grid's split count is static (from the block-table width), so the call is CUDA-graph capturable;
-  empty splits exit early and merge as exact zeros.
+  in increasing s. For a given SPLIT a row's result depends only on its own keys (but its bits are
+  not the prefill kernel's, so the `batch_invariant` mode decodes canonically). The backend's default
+  picks SPLIT by the step's padded batch (`decode_split_for_rows`: 64 keys at batch 1, 512 from 33
+  rows), so small batches spread a row over more programs; a fixed `split_size` keeps one SPLIT for all.
+  The grid's split count is static (from the block-table width), so the call is CUDA-graph capturable;
+  with the fused merge, splits past a row's keys exit at once and the merge reads the active ones only
+  (the separate merge kernel reads them all, an empty one as lse = -inf: the same bits).
   The query heads of one KV head (GQA group) share one program, so each K/V tile is read once.
   By default the merge is fused into the split kernel (one launch): each program counts itself done on a
   per-(row, KV head) counter of the workspace (atomic, acq_rel) and the last one merges the group's heads
@@ -64,6 +67,8 @@ KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_
 
 DECODE_BLOCK_N = 64
 DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
+# the backend's default split size by padded batch (decode_split_for_rows): (at most this many rows, split)
+DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
 _LOG2E = 1.4426950408889634
 
 
@@ -142,6 +147,18 @@ def _row_mask(mask: torch.Tensor | None, num_rows: int) -> torch.Tensor | None:
     if mask is not None and (mask.dtype != torch.int32 or tuple(mask.shape) != (num_rows,)):
         raise ValueError(f"row mask must be Int32[{num_rows}], got {mask.dtype}{list(mask.shape)}")
     return mask
+
+
+def decode_split_for_rows(num_rows: int) -> int:
+    """The split size the backend's default ("by rows") gives a decode step of `num_rows` rows (the padded
+    batch, so one per captured graph): small batches get short splits, so a row's keys spread over more
+    programs (batch 1 at 256 keys ran 8 programs, one per KV head, ~10 us a layer), large batches the
+    default 512-key split. Splits past a row's keys exit at once, so a short split costs little when the
+    row is short. Fast path only: it changes no committed bit (canonical rows and verify never split)."""
+    for rows, split in DECODE_SPLITS_BY_ROWS:
+        if num_rows <= rows:
+            return split
+    return DECODE_SPLIT_SIZE
 
 
 def decode_num_splits(max_kv_len: int, split_size: int = DECODE_SPLIT_SIZE) -> int:
@@ -269,10 +286,13 @@ class TritonPagedAttention:
     # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
     kv_prewritten = True
 
-    def __init__(self, split_size: int = DECODE_SPLIT_SIZE, decode: str = "split", merge: str = "fused") -> None:
+    def __init__(self, split_size: int | None = None, decode: str = "split", merge: str = "fused") -> None:
         """decode="split": the split-KV decode kernel (fast), except for the rows a DECODE pass flags in
         `canonical_rows`; "canonical": every decode query goes through the prefill/verify kernel, so the
-        fast path's attention numerics equal the verifier's. merge: decode_attention's (same bits either way)."""
+        fast path's attention numerics equal the verifier's. merge: decode_attention's (same bits either way).
+        split_size: keys per split of the split-KV kernel; None (the default) chooses it by the step's
+        padded batch (decode_split_for_rows), an int fixes it for every batch (a row's split output then
+        does not depend on its batch)."""
         if decode not in ("split", "canonical"):
             raise ValueError(f"decode must be 'split' or 'canonical', got {decode!r}")
         if merge not in ("fused", "kernel"):
@@ -324,7 +344,11 @@ class TritonPagedAttention:
         if ws is None or ws.mid_o.shape[0] < num_rows:
             if ws is not None:
                 self._retired.append(ws)  # a captured graph may still point at it
-            ws = DecodeWorkspace(max(num_rows, 64), num_heads, head_dim, num_splits, device)
+            # 64 rows at least (eager steps of other batch sizes reuse it), fewer for many short splits
+            # (batch-1 graphs of a long-context family: 512 splits of 64 keys)
+            floor = 64 if num_splits <= 64 else 8
+            ws = DecodeWorkspace(max(num_rows, floor, 2 * ws.mid_o.shape[0] if ws is not None else 0),
+                                 num_heads, head_dim, num_splits, device)
             self._workspaces[key] = ws
         return ws
 
@@ -344,7 +368,8 @@ class TritonPagedAttention:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         if plan.one_query_per_row:
-            splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], self.split_size)
+            split_size = self.split_size or decode_split_for_rows(q.shape[0])
+            splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
             ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
             out = torch.empty_like(q)
             side = self._side_stream(q.device) if plan.canonical_rows is not None else None
@@ -353,7 +378,7 @@ class TritonPagedAttention:
                 with torch.cuda.stream(side):
                     _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
             decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                             workspace=ws, out=out, split_size=self.split_size, skip_rows=plan.canonical_rows,
+                             workspace=ws, out=out, split_size=split_size, skip_rows=plan.canonical_rows,
                              merge=self.merge)
             if side is not None:
                 torch.cuda.current_stream(q.device).wait_stream(side)

@@ -134,6 +134,12 @@ def _decode_split_kernel(
     sp = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + r)
     start = sp * SPLIT
+    n_active = tl.maximum((seq_len + SPLIT - 1) // SPLIT, 1)  # splits holding keys (split 0 always runs)
+    if FUSED_MERGE:
+        # a split past the row's keys does nothing and is not counted: the merge reads the active splits
+        # only, which gives the bits of reading them all (an empty split's lse is -inf, kept out by selects)
+        if sp >= n_active:
+            return
     heads = kvh * GROUP + tl.arange(0, GROUP_PAD)          # [GP] query heads of this KV head
     h_valid = tl.arange(0, GROUP_PAD) < GROUP
     offs_d = tl.arange(0, BLOCK_D)
@@ -164,7 +170,7 @@ def _decode_split_kernel(
              + offs_d[None, :], out, mask=h_valid[:, None] & d_mask[None, :])
     tl.store(mid_lse_ptr + r * stride_ml_t + heads * stride_ml_h + sp, lse, mask=h_valid)
     if FUSED_MERGE:
-        # The last of the row's NUM_SPLITS programs of this KV head to finish merges the GROUP heads.
+        # The last of the row's n_active split programs of this KV head to finish merges the GROUP heads.
         # Ordering on the GPU (CUTLASS's semaphore pattern): the CTA barrier puts every thread's mid stores
         # before the atomic, a cumulative release at gpu scope; the merging program's atomic acquires every
         # other program's increment (a release sequence on the counter), and the barrier after it puts that
@@ -172,7 +178,7 @@ def _decode_split_kernel(
         tl.debug_barrier()
         cnt = cnt_ptr + r * stride_cnt + kvh
         done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")  # programs of this (row, KV head) done before
-        if done == NUM_SPLITS - 1:
+        if done == n_active - 1:
             tl.debug_barrier()
             # _decode_merge_kernel's arithmetic on all GROUP heads at once ([MP, BD]; mg, ml per head broadcast
             # over D as there): a skipped split (lse = -inf) keeps mg, ml, macc by a select instead of a branch,
@@ -182,7 +188,7 @@ def _decode_split_kernel(
             mg = tl.full([MERGE_PAD, BLOCK_D], float("-inf"), tl.float32)
             ml = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
             macc = tl.zeros([MERGE_PAD, BLOCK_D], tl.float32)
-            for j in range(0, NUM_SPLITS):  # fixed increasing order
+            for j in range(0, n_active):  # fixed increasing order
                 lse_s = tl.load(mid_lse_ptr + r * stride_ml_t + mheads * stride_ml_h + j, mask=mh_valid,
                                 other=float("-inf"), cache_modifier=".cg")
                 ok = (lse_s > float("-inf"))[:, None]

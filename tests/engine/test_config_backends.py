@@ -34,3 +34,12 @@ def test_cpu_kv_budget_default(tiny_llama_dir) -> None:
     llm = LLM(EngineConfig(model=str(tiny_llama_dir), device="cpu", num_threads=1))
     assert llm.config.num_kv_blocks == 514 == llm.core.runner.kv.k[0].shape[0]
     assert llm.core.runner.graphs_status == "eager"
+
+
+def test_dvr_decode_attention_auto_resolution() -> None:
+    """auto: canonical_step on CUDA (one canonical launch for a step holding a DVR row; the README's H200
+    comparison), split on the CPU; lookahead follows (G-1)*W for canonical rows, W-1 for split ones."""
+    cuda = EngineConfig(device="cuda", window=32, group=8)
+    assert (cuda.dvr_decode_attention, cuda.dvr_lookahead) == ("canonical_step", 7 * 32)
+    cpu = EngineConfig(device="cpu", window=32, group=8)
+    assert (cpu.dvr_decode_attention, cpu.dvr_lookahead) == ("split", 31)

@@ -1,0 +1,159 @@
+"""Where the 8B decode step and the verify pass spend their time, and what would hide the verify pass
+(H200 diagnostic, seventh session).
+
+    python bench/step_probe.py --out DIR [--context 256] [--reps 30]
+
+1. GEMMs of every 8B linear shape at M = 1 / 64 / 256, cuBLAS (torch's default) against cuBLASLt
+   (`torch.backends.cuda.preferred_blas_library`): median ms, TB/s of weight traffic, TFLOP/s.
+2. Captured decode steps (batch 1 and 64, plain split-KV graphs) and the captured 8 x 32 verify pass:
+   median ms, and each one's kernels under the profiler (count, device time by kernel, and the time
+   between kernels = replay time - summed kernel time).
+3. Concurrency: the verify graph on a side stream while the main stream replays k decode steps, against
+   the same work one after the other (k = 1, 2, 3).
+Writes step-probe.json to DIR.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.bench_gpu import (  # noqa: E402
+    BLOCK_SIZE, RESERVED_BLOCKS, contiguous_tables, environment, fill_cache_, time_cuda,
+)
+
+
+def gemm_table(model: Any, reps: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        for n, k in model.linear_shapes():
+            w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
+            for m in (1, 64, 256):
+                x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+                ms = time_cuda(lambda: torch.nn.functional.linear(x, w), reps=reps)["median_ms"]
+                out[f"{lib} n{n} k{k} m{m}"] = {
+                    "ms": round(ms, 4), "weight_tb_s": round(n * k * 2 / ms / 1e9, 3),
+                    "tflops": round(2 * m * n * k / ms / 1e9, 1)}
+                print(lib, n, k, m, out[f"{lib} n{n} k{k} m{m}"], flush=True)
+            del w
+    torch.backends.cuda.preferred_blas_library("cublas")
+    return out
+
+
+def profile_replays(fn: Any, n: int = 5) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            by_name.setdefault(ev.name[:90], []).append(t)
+    total = sum(sum(v) for v in by_name.values()) / n
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
+    return {"kernels_per_replay": sum(len(v) for v in by_name.values()) / n, "kernel_us_per_replay": round(total, 1),
+            "top": [{"name": k, "count": len(v) / n, "us": round(sum(v) / n, 1)} for k, v in top]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--skip-gemm", action="store_true")
+    a = ap.parse_args()
+    from engine.attention import PassKind, RowSpec, build_metadata, positions_of
+    from engine.cuda_graphs import DecodeGraphs, VerifyGraph
+    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+
+    result: dict[str, Any] = {"environment": environment(sys.argv), "context": a.context}
+    outdir = Path(a.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+
+    def dump() -> None:
+        (outdir / "step-probe.json").write_text(json.dumps(result, indent=1))
+
+    model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b"), torch.bfloat16, "cuda", seed=0,
+                                  attention_backend="triton")
+    if not a.skip_gemm:
+        result["gemm"] = gemm_table(model, a.reps)
+        dump()
+    g, w = 8, 32
+    batches = (1, 64)
+    nb = -(-(a.context + w + 1) // BLOCK_SIZE)
+    kv = model.allocate_kv_cache(RESERVED_BLOCKS + (max(batches) + g) * nb, BLOCK_SIZE)
+    fill_cache_(kv)
+    for lib in ("cublas", "cublaslt"):
+        torch.backends.cuda.preferred_blas_library(lib)
+        res: dict[str, Any] = {}
+        graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
+                              batch_sizes=batches)
+        graphs.capture()
+        vtables = contiguous_tables(g, nb, RESERVED_BLOCKS + max(batches) * nb)
+        rows = [RowSpec(vtables[r], a.context, w) for r in range(g)]
+        meta = build_metadata(PassKind.VERIFY, rows, BLOCK_SIZE, torch.device("cuda"))
+        ids = torch.randint(0, model.arch.vocab_size, (g * w,), device="cuda")
+        pos = positions_of(rows, torch.device("cuda"))
+        vg = VerifyGraph(model, kv, g, w, nb * BLOCK_SIZE)
+        vg.stage(ids.tolist(), pos.tolist(), meta.slot_mapping.tolist(), meta.seq_lens.tolist(), vtables)
+        vg.capture()
+        res["verify_bit_exact"] = vg.bit_exact
+        steps = {}
+        for b in batches:
+            tables = contiguous_tables(b, nb)
+            dids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
+            dpos, lens = [a.context - 1] * b, [a.context] * b
+            graphs.run(dids, dpos, lens, tables)  # stage once; replays below reuse the staged inputs
+            steps[b] = graphs.graphs[b]
+            t = time_cuda(steps[b].replay, reps=a.reps)
+            res[f"decode_b{b}_ms"] = t["median_ms"]
+            res[f"decode_b{b}_profile"] = profile_replays(steps[b].replay)
+            print(lib, "decode", b, t["median_ms"], res[f"decode_b{b}_profile"]["kernel_us_per_replay"], flush=True)
+        t = time_cuda(vg.graph.replay, reps=a.reps)
+        res["verify_8x32_ms"] = t["median_ms"]
+        res["verify_8x32_profile"] = profile_replays(vg.graph.replay)
+        print(lib, "verify", t["median_ms"], res["verify_8x32_profile"]["kernel_us_per_replay"], flush=True)
+        # concurrency: verify on a side stream beside k decode steps (b64) on the main stream
+        side = torch.cuda.Stream()
+        main_s = torch.cuda.current_stream()
+        for k in (1, 2, 3):
+            def serial() -> None:
+                vg.graph.replay()
+                for _ in range(k):
+                    steps[64].replay()
+
+            def concurrent() -> None:
+                side.wait_stream(main_s)
+                with torch.cuda.stream(side):
+                    vg.graph.replay()
+                for _ in range(k):
+                    steps[64].replay()
+                main_s.wait_stream(side)
+
+            res[f"serial_k{k}_ms"] = time_cuda(serial, reps=a.reps)["median_ms"]
+            res[f"concurrent_k{k}_ms"] = time_cuda(concurrent, reps=a.reps)["median_ms"]
+            print(lib, "k", k, res[f"serial_k{k}_ms"], res[f"concurrent_k{k}_ms"], flush=True)
+        result[lib] = res
+        dump()
+        del graphs, vg, steps
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    torch.backends.cuda.preferred_blas_library("cublas")
+    dump()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
