@@ -7,7 +7,8 @@
 # core (issue 5 benchmark on the synthetic 8B), replay (issue 4), bi (batch-invariant numerics breakdown),
 # probe (batch-invariant GEMM tile shapes), modes (issue 6 comparison on the 8B
 # and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set), canonical (what a
-# decode step pays for canonical DVR rows: bench/canonical_step_probe.py).
+# decode step pays for canonical DVR rows: bench/canonical_step_probe.py), step (GEMM / decode / verify kernel
+# breakdown and verify beside decode on two streams: bench/step_probe.py).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -63,6 +64,10 @@ stage_probe() {
 stage_long() {
   timeout "${LONG_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections long --out "$OUT" \
     --name gpu-bench-long ${LONG_ARGS:-} 2>&1 | tail -40
+}
+
+stage_step() {
+  timeout "${STEP_TIMEOUT:-240}" python3 bench/step_probe.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | grep -v Warn | tail -14
 }
 
 stage_canonical() {

@@ -637,9 +637,12 @@ def _drive(ctx: Ctx, core: Any, prompts: list[list[int]], params: Any, cap_s: fl
     _sync()
     t0 = time.perf_counter()
     steps = 0
+    decoding_at: tuple[float, int] | None = None  # (seconds, committed tokens) once every request has a token
     while any(not s.is_finished for s in seqs) and time.perf_counter() - t0 < cap:
         core.step()
         steps += 1
+        if decoding_at is None and all(s.tokens for s in seqs):
+            decoding_at = (time.perf_counter() - t0, sum(len(s.tokens) for s in seqs))
         if mem_probe_steps and torch.cuda.is_available():
             if steps == PROBE_FIRST_STEP:  # allocator counters are host-side: no device sync here
                 probe = {"steps": mem_probe_steps, "allocated_before": torch.cuda.memory_allocated()}
@@ -653,6 +656,11 @@ def _drive(ctx: Ctx, core: Any, prompts: list[list[int]], params: Any, cap_s: fl
     finished = sum(s.is_finished for s in seqs)
     stats = vars(core.stats())
     res = {"seconds": total, "steps": steps, "committed_tokens": tokens, "output_tok_per_s": tokens / total,
+           # the decode phase: from the step after which every request holds a token (all prompts
+           # prefilled) to the end; what the weight+KV bandwidth limit bounds
+           "decode_phase_s": None if decoding_at is None else total - decoding_at[0],
+           "decode_phase_tok_per_s": None if decoding_at is None or total <= decoding_at[0]
+           else (tokens - decoding_at[1]) / (total - decoding_at[0]),
            "finished": finished, "requests": len(seqs), "capped": finished < len(seqs), "cap_s": round(cap, 1),
            "stats": {k: v for k, v in stats.items() if isinstance(v, (int, float))}}
     if finished < len(seqs) and cap < cap_s:
@@ -1522,8 +1530,10 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
     for k in ("eager", "decode_graphs"):
         v = result.get("engine_generate", {}).get(k, {})
         if "output_tok_per_s" in v:
+            dp = v.get("decode_phase_tok_per_s")
             lines.append(f"engine {k}: {v['output_tok_per_s']:.0f} tok/s ({v['committed_tokens']} tokens, "
-                         f"capped={v['capped']}) steady-state memory {v.get('steady_state_memory')}")
+                         f"capped={v['capped']}; decode phase {'-' if dp is None else f'{dp:.0f}'} tok/s) "
+                         f"steady-state memory {v.get('steady_state_memory')}")
     hf = result.get("hf_generate", {})
     for k in ("static_batch", "continuous_batching"):
         v = hf.get(k, {})

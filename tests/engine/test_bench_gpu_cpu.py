@@ -134,14 +134,33 @@ def test_summary_reads_committed_results() -> None:
         assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
 
 
-def test_canonical_step_probe_script_imports_and_parses_its_arguments() -> None:
-    """`bench/canonical_step_probe.py` (the `canonical` stage of bench/h200.sh) loads on a CPU checkout:
-    its imports from engine.bench_gpu resolve and --help lists its options (the timing itself needs CUDA)."""
+@pytest.mark.parametrize("name", ["canonical_step_probe.py", "step_probe.py"])
+def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
+    """`bench/canonical_step_probe.py` (the `canonical` stage of bench/h200.sh) and `bench/step_probe.py`
+    (the `step` stage) load on a CPU checkout: their imports from engine.bench_gpu resolve and --help lists
+    their options (the timing itself needs CUDA)."""
     import subprocess
     import sys
     from pathlib import Path
 
-    script = Path(__file__).resolve().parents[2] / "bench" / "canonical_step_probe.py"
+    script = Path(__file__).resolve().parents[2] / "bench" / name
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
                          check=True).stdout
     assert "--context" in out and "--reps" in out
+
+
+def test_drive_reports_the_decode_phase(tmp_path: Path, tiny_make: Any) -> None:
+    """engine_generate's decode-phase rate counts the tokens after every request holds its first one,
+    over the time after that step: fewer tokens than the whole run, in less time."""
+    from engine.sampling import SamplingParams
+
+    ctx = _ctx(tmp_path)
+    ctx.begin("engine_generate", None)
+    llm = tiny_make("nondeterministic", 0.0)
+    prompts = [[3 + i, 5, 7, 9 + i] for i in range(6)]
+    res = bg._drive(ctx, llm.core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+                    60.0, "dp")
+    assert res["committed_tokens"] == 72 and res["finished"] == 6
+    assert 0 < res["decode_phase_s"] < res["seconds"] and res["decode_phase_tok_per_s"] > 0
+    # at most 11 tokens per request are left once each holds one
+    assert res["decode_phase_tok_per_s"] * res["decode_phase_s"] <= 66 + 1e-6
