@@ -1368,7 +1368,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--gguf", default="default", help="SmolLM2 model for the smollm2 sections")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--dvr-decode-attention", default="canonical", choices=["canonical", "canonical_step", "split"],
+    p.add_argument("--dvr-decode-attention", default="auto",
+                   choices=["auto", "canonical", "canonical_step", "canonical_step_short", "split"],
                    help="EngineConfig.dvr_decode_attention in the compare_modes sections")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],

@@ -51,9 +51,12 @@ class EngineConfig:
                                         # numerics (fewer rollbacks), "split" = the fast kernel like every other
                                         # row; "canonical_step" = as canonical, and a step holding a DVR row runs
                                         # every row canonical (one kernel; Triton only, else as canonical);
-                                        # auto: canonical_step on CUDA (seventh session: measured best on the
-                                        # H200 sets, README), split on the CPU (whose fp32 fast path already
-                                        # agrees with the verifier). Never changes committed bits.
+                                        # "canonical_step_short" = canonical_step in the decode graphs of rows
+                                        # up to GRAPH_MAX_LEN (4096) tokens, canonical past them and in eager
+                                        # steps (the canonical kernel on every long row costs more than the
+                                        # second stream saves: H200, README); auto: canonical_step_short on
+                                        # CUDA, split on the CPU (whose fp32 fast path already agrees with the
+                                        # verifier). Never changes committed bits.
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
                                         # candidates past the window, and a pass verifies up to G windows,
                                         # several of one row if it ran ahead (None: (G-1)*W with canonical DVR
@@ -85,8 +88,9 @@ class EngineConfig:
         _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
-        _check(self.dvr_decode_attention in ("auto", "canonical", "canonical_step", "split"), "dvr_decode_attention",
-               f"one of auto/canonical/canonical_step/split, got {self.dvr_decode_attention!r}")
+        _check(self.dvr_decode_attention in ("auto", "canonical", "canonical_step", "canonical_step_short", "split"),
+               "dvr_decode_attention",
+               f"one of auto/canonical/canonical_step/canonical_step_short/split, got {self.dvr_decode_attention!r}")
         _check(0.0 <= self.fault_rate <= 1.0, "fault_rate", f"must be in [0, 1], got {self.fault_rate}")
         if self.mode == Mode.BATCH_INVARIANT:  # the mode fixes the numerics, attention included
             _check(self.attention_backend in ("auto", "torch", "batch_invariant"), "attention_backend",
@@ -110,7 +114,7 @@ class EngineConfig:
             object.__setattr__(self, "overlap", on_cuda)
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
         if self.dvr_decode_attention == "auto":
-            object.__setattr__(self, "dvr_decode_attention", "canonical_step" if on_cuda else "split")
+            object.__setattr__(self, "dvr_decode_attention", "canonical_step_short" if on_cuda else "split")
         if self.dvr_lookahead is None:
             # canonical DVR rows decode with the verifier's numerics (rollbacks are rare), so a row may run
             # ahead G-1 more windows and have them all verified in one pass; the split kernel rolls back

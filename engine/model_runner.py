@@ -83,9 +83,13 @@ class ModelRunner:
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
         dvr = config.mode == Mode.DVR
-        self.canonical_decode = dvr and config.dvr_decode_attention in ("canonical", "canonical_step")
-        # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel
+        self.canonical_decode = dvr and config.dvr_decode_attention in ("canonical", "canonical_step",
+                                                                         "canonical_step_short")
+        # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel (in
+        # every pass); canonical_step_short: only in the decode graphs of rows up to GRAPH_MAX_LEN tokens
         self.canonical_step = dvr and config.dvr_decode_attention == "canonical_step"
+        self.canonical_step_short = self.canonical_step or (dvr and config.dvr_decode_attention
+                                                            == "canonical_step_short")
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
         #                                            GRAPH_MAX_LEN tokens)
         self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len
@@ -169,7 +173,7 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
                                                          self.max_model_len, SCRATCH_BLOCK,
                                                          graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode,
-                                                         canonical_step=self.canonical_step)
+                                                         canonical_step=self.canonical_step_short)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"

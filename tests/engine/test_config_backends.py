@@ -37,9 +37,12 @@ def test_cpu_kv_budget_default(tiny_llama_dir) -> None:
 
 
 def test_dvr_decode_attention_auto_resolution() -> None:
-    """auto: canonical_step on CUDA (one canonical launch for a step holding a DVR row; the README's H200
-    comparison), split on the CPU; lookahead follows (G-1)*W for canonical rows, W-1 for split ones."""
+    """auto: canonical_step_short on CUDA (one canonical launch for a step holding a DVR row when its rows
+    are short; the README's H200 comparison), split on the CPU; lookahead follows (G-1)*W for canonical
+    rows, W-1 for split ones."""
     cuda = EngineConfig(device="cuda", window=32, group=8)
-    assert (cuda.dvr_decode_attention, cuda.dvr_lookahead) == ("canonical_step", 7 * 32)
+    assert (cuda.dvr_decode_attention, cuda.dvr_lookahead) == ("canonical_step_short", 7 * 32)
+    with pytest.raises(ValueError, match="dvr_decode_attention.*'sideways'"):
+        EngineConfig(device="cpu", dvr_decode_attention="sideways")
     cpu = EngineConfig(device="cpu", window=32, group=8)
     assert (cpu.dvr_decode_attention, cpu.dvr_lookahead) == ("split", 31)

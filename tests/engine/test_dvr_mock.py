@@ -179,7 +179,7 @@ def test_run_ahead_changes_speed_not_bits(make_mock_llm, workload) -> None:
     assert ahead.core.totals.decode_passes > idle.core.totals.decode_passes, (ahead.core.totals, idle.core.totals)
 
 
-@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "split"])
+@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "canonical_step_short", "split"])
 def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: str) -> None:
     """dvr_decode_attention="canonical": each decode step marks exactly its DVR rows canonical (fast rows
     keep the split kernel); "split": no row is marked."""
@@ -203,3 +203,9 @@ def test_decode_rows_canonical_only_for_dvr(make_mock_llm, workload, attention: 
     assert any(any(dvr) and not all(dvr) for dvr, _ in seen), "no decode step mixed fast and DVR rows"
     for dvr, flags in seen:
         assert flags == (dvr if attention != "split" else [False] * len(dvr))
+    # which decode passes run a flagged step all canonical: every one (canonical_step), the graphs of rows
+    # up to GRAPH_MAX_LEN only (canonical_step_short: this flag is what that family is captured with)
+    runner = core.runner
+    assert (runner.canonical_step, runner.canonical_step_short) == {
+        "canonical": (False, False), "canonical_step": (True, True), "canonical_step_short": (False, True),
+        "split": (False, False)}[attention]
