@@ -35,7 +35,7 @@ stage_tests() {
 
 stage_core() {
   timeout "${CORE_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections core --out "$OUT" \
-    --name gpu-bench-8b 2>&1 | tail -60
+    --name gpu-bench-8b ${CORE_ARGS:-} 2>&1 | tail -60
 }
 
 stage_replay() {

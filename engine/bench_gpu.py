@@ -281,7 +281,7 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
     for t in kv.k + kv.v:  # random finite K/V where the rows live (timing on zeros can flatter kernels)
         t[RESERVED_BLOCKS:used].normal_(0.0, 0.5)
     graphs = DecodeGraphs(model, kv, max(batches), blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                          batch_sizes=batches)
+                          batch_sizes=batches, cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
     t0 = time.perf_counter()
     graphs.capture()
     capture_s = time.perf_counter() - t0
@@ -529,7 +529,7 @@ def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
     blocks_per_row = -(-(n_in + n_out) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + n_req * blocks_per_row, BLOCK_SIZE)
     graphs = DecodeGraphs(model, kv, n_req, blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                          batch_sizes=(n_req,))
+                          batch_sizes=(n_req,), cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
     graphs.capture()
     tables = contiguous_tables(n_req, blocks_per_row)
     gen = torch.Generator().manual_seed(1)
@@ -581,7 +581,8 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     blocks = RESERVED_BLOCKS + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
     config = _engine_config(model="synthetic", device=ctx.device.type, dtype="bfloat16",
                             mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
-                            max_num_batched_tokens=n_req * n_in, max_model_len=4096)
+                            max_num_batched_tokens=n_req * n_in, max_model_len=4096,
+                            decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
     shape = engine_shape(model, 4096)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
@@ -1083,7 +1084,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
                                 max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir,
-                                dvr_lookahead=a.dvr_lookahead)
+                                dvr_lookahead=a.dvr_lookahead, decode_cublaslt_min_rows=a.decode_cublaslt_min_rows)
         return smol_llm(ctx, config)
 
     probe = make("nondeterministic", 0.0)
@@ -1138,7 +1139,8 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
                                 max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
-                                fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead)
+                                fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead,
+                                decode_cublaslt_min_rows=a.decode_cublaslt_min_rows)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
         llm.bench_graphs = llm.core.runner.graphs_status
         return llm
@@ -1371,6 +1373,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dvr-decode-attention", default="auto",
                    choices=["auto", "canonical", "canonical_step", "canonical_step_short", "split"],
                    help="EngineConfig.dvr_decode_attention in the compare_modes sections")
+    p.add_argument("--decode-cublaslt-min-rows", type=int, default=0,
+                   help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench builds "
+                        "(decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt; 0 = never)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")

@@ -68,6 +68,12 @@ class EngineConfig:
                                         # and launched (its input ids taken from the device) before this one's
                                         # tokens are read. None: on for CUDA, off on the CPU. Never changes a
                                         # committed token of a deterministic request.
+    decode_cublaslt_min_rows: int = 0   # CUDA only: decode graphs (unused without) of at least this many padded rows
+                                        # capture their GEMMs with cuBLASLt instead of cuBLAS (0: never). The
+                                        # H200 probe (seventh session) replayed the 8B step at batch 64 5 %
+                                        # faster that way and batch 1 slower. Fast path only: prefill and
+                                        # verify keep cuBLAS, so committed bits never change (rollbacks may).
+                                        # Not yet measured in the engine: off by default.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -122,6 +128,10 @@ class EngineConfig:
             fuller = self.dvr_decode_attention != "split"
             object.__setattr__(self, "dvr_lookahead", (self.group - 1) * self.window if fuller else self.window - 1)
         _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
+        _check(isinstance(self.decode_cublaslt_min_rows, int) and self.decode_cublaslt_min_rows >= 0,
+               "decode_cublaslt_min_rows", f"must be an int >= 0, got {self.decode_cublaslt_min_rows!r}")
+        _check(self.decode_cublaslt_min_rows == 0 or on_cuda, "decode_cublaslt_min_rows",
+               "CUDA only (it picks the BLAS library of CUDA decode graphs; unused without cuda_graphs)")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

@@ -28,7 +28,8 @@ bit is checked at capture (`VerifyGraph.bit_exact`) and it is used only if they 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -137,6 +138,21 @@ class _StaticPass:
             self.copied.record(torch.cuda.current_stream(self.i64.device))
 
 
+@contextlib.contextmanager
+def blas_library(library: str | None) -> Iterator[None]:
+    """torch's preferred BLAS library ("cublas" / "cublaslt") for the GEMMs launched (or captured) inside;
+    None leaves it. The previous preference is restored on exit."""
+    if library is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(library)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+
+
 def _widest(tables: Sequence[Sequence[int]] | np.ndarray) -> int:
     if isinstance(tables, np.ndarray):
         return tables.shape[1]
@@ -148,7 +164,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, max_batch: int, max_seq_len: int,
                  scratch_slot: int, zero_block: int = 0, batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                 canonical: bool = False, canonical_step: bool = False) -> None:
+                 canonical: bool = False, canonical_step: bool = False, cublaslt_min_rows: int = 0) -> None:
         backend = getattr(getattr(model, "attention", None), "name", None)
         if backend not in GRAPH_SAFE_BACKENDS:
             raise ValueError(f"CUDA graphs need an attention backend whose decode plan needs no host sync "
@@ -160,6 +176,8 @@ class DecodeGraphs:
         self.scratch_slot, self.zero_block = scratch_slot, zero_block
         self.canonical = canonical  # captured forwards read static canonical_rows (DVR, canonical decode)
         self.canonical_step = canonical_step  # and their canonical graphs run every row canonical
+        # sizes of at least this many rows capture their GEMMs with cuBLASLt (0: none); see blas_for
+        self.cublaslt_min_rows = cublaslt_min_rows
         device = kv.k[0].device
         self.static = _StaticPass(max_batch, 1, self.max_blocks, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -172,15 +190,16 @@ class DecodeGraphs:
     @classmethod
     def for_engine(cls, model: torch.nn.Module, kv: KVCache, max_num_seqs: int, max_model_len: int,
                    scratch_block: int, graph_max_len: int = GRAPH_MAX_LEN, canonical: bool = False,
-                   pool: Any = None, canonical_step: bool = False) -> DecodeGraphs:
+                   pool: Any = None, canonical_step: bool = False, cublaslt_min_rows: int = 0) -> DecodeGraphs:
         """Captured graphs for an engine's model runner, rows up to min(max_model_len, graph_max_len) tokens
         (`run` returns None for longer ones: the runner tries its next family, then eager decode).
         `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical" (or "canonical_step":
         `canonical_step`, the canonical graphs send every row through the canonical kernel). `pool`: another
-        family's graph memory pool to share (graphs replay one at a time on one stream)."""
+        family's graph memory pool to share (graphs replay one at a time on one stream).
+        `cublaslt_min_rows`: EngineConfig.decode_cublaslt_min_rows."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
                      scratch_slot=scratch_block * kv.block_size, canonical=canonical,
-                     canonical_step=canonical_step)
+                     canonical_step=canonical_step, cublaslt_min_rows=cublaslt_min_rows)
         graphs.pool = pool
         graphs.capture()
         return graphs
@@ -200,6 +219,10 @@ class DecodeGraphs:
                                  canonical_step=canonical and self.canonical_step)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
+    def blas_for(self, rows: int) -> str | None:
+        """The BLAS library the graph of `rows` padded rows is captured with (None: torch's preference)."""
+        return "cublaslt" if self.cublaslt_min_rows and rows >= self.cublaslt_min_rows else None
+
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture largest first so smaller graphs reuse the shared memory pool (a canonical family: each
@@ -212,13 +235,14 @@ class DecodeGraphs:
             for canonical, graphs, logits in variants:
                 stream = torch.cuda.Stream()
                 stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks algorithms, workspaces grow
-                        self._forward(rows, canonical)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    logits[rows] = self._forward(rows, canonical)
+                with blas_library(self.blas_for(rows)):
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # warm-up: Triton compiles, cuBLAS picks algorithms, workspaces grow
+                            self._forward(rows, canonical)
+                    torch.cuda.current_stream().wait_stream(stream)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self.pool):
+                        logits[rows] = self._forward(rows, canonical)
                 self.pool = graph.pool()
                 graphs[rows] = graph
         torch.cuda.synchronize()

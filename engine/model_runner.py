@@ -173,7 +173,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs.for_engine(self.model, self.kv, self.config.max_num_seqs,
                                                          self.max_model_len, SCRATCH_BLOCK,
                                                          graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode,
-                                                         canonical_step=self.canonical_step_short)
+                                                         canonical_step=self.canonical_step_short,
+                                                         cublaslt_min_rows=self.config.decode_cublaslt_min_rows)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
@@ -185,7 +186,8 @@ class ModelRunner:
                 self.long_decode_graphs = DecodeGraphs.for_engine(
                     self.model, self.kv, self.config.max_num_seqs, self.max_model_len, SCRATCH_BLOCK,
                     graph_max_len=self.max_model_len, canonical=self.canonical_decode,
-                    canonical_step=self.canonical_step, pool=self.decode_graphs.pool)
+                    canonical_step=self.canonical_step, pool=self.decode_graphs.pool,
+                    cublaslt_min_rows=self.config.decode_cublaslt_min_rows)
                 self.graphs_status += f"+long{self.max_model_len}"
             except (ValueError, RuntimeError) as exc:
                 self.graphs_status += f"; rows past {GRAPH_MAX_LEN} eager (capture failed: {type(exc).__name__})"

@@ -46,3 +46,36 @@ def test_dvr_decode_attention_auto_resolution() -> None:
         EngineConfig(device="cpu", dvr_decode_attention="sideways")
     cpu = EngineConfig(device="cpu", window=32, group=8)
     assert (cpu.dvr_decode_attention, cpu.dvr_lookahead) == ("split", 31)
+
+
+def test_decode_cublaslt_min_rows_is_cuda_only_and_checked() -> None:
+    assert EngineConfig(device="cpu").decode_cublaslt_min_rows == 0
+    assert EngineConfig(device="cuda", cuda_graphs=True, decode_cublaslt_min_rows=32).decode_cublaslt_min_rows == 32
+    with pytest.raises(ValueError, match="decode_cublaslt_min_rows.*CUDA only"):
+        EngineConfig(device="cpu", decode_cublaslt_min_rows=32)
+    with pytest.raises(ValueError, match="decode_cublaslt_min_rows.*>= 0"):
+        EngineConfig(device="cuda", decode_cublaslt_min_rows=-1)
+
+
+def test_blas_library_context_restores_the_preference() -> None:
+    """engine.cuda_graphs.blas_library: None leaves torch's BLAS preference alone; a library is set inside
+    and the previous preference comes back on exit, also when the body raises ("ck" here, a library other
+    than the default that a CPU build of torch accepts; it refuses cuBLASLt)."""
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs, blas_library
+
+    before = torch.backends.cuda.preferred_blas_library()
+    with blas_library(None):
+        assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with blas_library("ck"):
+            assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Ck != before
+            raise RuntimeError("inside")
+    assert torch.backends.cuda.preferred_blas_library() == before
+    # which sizes a family captures with cuBLASLt
+    from types import SimpleNamespace
+
+    assert [DecodeGraphs.blas_for(SimpleNamespace(cublaslt_min_rows=32), b) for b in (1, 31, 32, 256)] == \
+        [None, None, "cublaslt", "cublaslt"]
+    assert DecodeGraphs.blas_for(SimpleNamespace(cublaslt_min_rows=0), 256) is None

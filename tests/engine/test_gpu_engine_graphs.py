@@ -189,3 +189,17 @@ def test_the_verify_graph_serves_rows_past_the_first_decode_family(smol: Any, mo
     runner.verify_graph.stage = counting
     assert_same(want, run(graphed))
     assert widest["rows_past_32"] > 0 and widest["eager"] == 0, widest
+
+
+def test_cublaslt_decode_graphs_keep_committed_bits_and_restore_the_preference(smol: Any) -> None:
+    """decode_cublaslt_min_rows: decode graphs of >= N padded rows capture their GEMMs with cuBLASLt. The fast
+    path only: committed deterministic bits equal the eager engine's, and torch's BLAS preference is
+    restored after capture (prefill and verify keep cuBLAS)."""
+    before = torch.backends.cuda.preferred_blas_library()
+    want = run(make(smol, num_kv_blocks=400))
+    llm = make(smol, num_kv_blocks=400, cuda_graphs=True, decode_cublaslt_min_rows=4)
+    graphs = llm.core.runner.decode_graphs
+    assert graphs is not None and graphs.cublaslt_min_rows == 4
+    assert [graphs.blas_for(b) for b in (1, 2, 4, 16)] == [None, None, "cublaslt", "cublaslt"]
+    assert torch.backends.cuda.preferred_blas_library() == before
+    assert_same(run(llm), want)
