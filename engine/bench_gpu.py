@@ -1374,8 +1374,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    choices=["auto", "canonical", "canonical_step", "canonical_step_short", "split"],
                    help="EngineConfig.dvr_decode_attention in the compare_modes sections")
     p.add_argument("--decode-cublaslt-min-rows", type=int, default=0,
-                   help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench builds "
-                        "(decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt; 0 = never)")
+                   help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench "
+                        "builds (graphs of at least this many padded rows capture their GEMMs with cuBLASLt; "
+                        "0 = never)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")

@@ -68,8 +68,8 @@ class EngineConfig:
                                         # and launched (its input ids taken from the device) before this one's
                                         # tokens are read. None: on for CUDA, off on the CPU. Never changes a
                                         # committed token of a deterministic request.
-    decode_cublaslt_min_rows: int = 0   # CUDA only: decode graphs (unused without) of at least this many padded rows
-                                        # capture their GEMMs with cuBLASLt instead of cuBLAS (0: never). The
+    decode_cublaslt_min_rows: int = 0   # CUDA only, used with cuda_graphs: decode graphs of at least this many
+                                        # padded rows capture their GEMMs with cuBLASLt, not cuBLAS (0: never). The
                                         # H200 probe (seventh session) replayed the 8B step at batch 64 5 %
                                         # faster that way and batch 1 slower. Fast path only: prefill and
                                         # verify keep cuBLAS, so committed bits never change (rollbacks may).
