@@ -183,13 +183,19 @@ def _interpreter_main() -> None:
     print("interpreter ok")
 
 
-def test_canonical_rows_under_the_triton_interpreter() -> None:
+def run_under_triton_interpreter(module: str) -> None:
+    """`module._interpreter_main()` in a subprocess with TRITON_INTERPRET=1 (the interpreter is chosen when
+    triton is first imported); it must print "interpreter ok"."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    code = "from tests.engine.test_canonical_decode import _interpreter_main; _interpreter_main()"
+    code = f"from {module} import _interpreter_main; _interpreter_main()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_canonical_rows_under_the_triton_interpreter() -> None:
+    run_under_triton_interpreter("tests.engine.test_canonical_decode")
 
 
 def test_plan_rejects_a_mask_of_the_wrong_shape_or_dtype() -> None:

@@ -9,17 +9,10 @@ interpreter (a subprocess, as in test_canonical_decode); the gpu-marked one uses
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.engine.gpu_reference import make_paged_case, reference_attention
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def check_split_decode(device: str, dtype: torch.dtype, shape: tuple[int, int, int, int], lens: list[int],
@@ -93,12 +86,9 @@ def _interpreter_main() -> None:
 
 
 def test_split_decode_under_the_triton_interpreter() -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    code = "from tests.engine.test_decode_splits import _interpreter_main; _interpreter_main()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+    from tests.engine.test_canonical_decode import run_under_triton_interpreter
+
+    run_under_triton_interpreter("tests.engine.test_decode_splits")
 
 
 @pytest.mark.gpu
