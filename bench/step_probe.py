@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.bench_gpu import (  # noqa: E402
-    BLOCK_SIZE, RESERVED_BLOCKS, contiguous_tables, environment, fill_cache_, time_cuda,
+    BLOCK_SIZE, RESERVED_BLOCKS, contiguous_tables, environment, fill_cache_, kernel_times, time_cuda,
 )
 
 
@@ -56,11 +56,7 @@ def profile_replays(fn: Any, n: int = 5) -> dict[str, Any]:
         for _ in range(n):
             fn()
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
-            by_name.setdefault(ev.name[:90], []).append(t)
+    by_name = kernel_times(prof, name_len=90)
     total = sum(sum(v) for v in by_name.values()) / n
     top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:25]
     return {"kernels_per_replay": sum(len(v) for v in by_name.values()) / n, "kernel_us_per_replay": round(total, 1),

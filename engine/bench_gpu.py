@@ -39,7 +39,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -264,7 +264,6 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
 
     The KV cache is sized as the engine would size it: 90 % of the memory free after the weights.
     """
-    from engine.cuda_graphs import DecodeGraphs
     from engine.gpu_memory import DEFAULT_KV_SHARE, kv_blocks_for_free_memory, kv_bytes_per_block
 
     model = synthetic(ctx)
@@ -280,10 +279,8 @@ def bench_decode_step(ctx: Ctx) -> dict[str, Any]:
     used = RESERVED_BLOCKS + max(batches) * blocks_per_row
     for t in kv.k + kv.v:  # random finite K/V where the rows live (timing on zeros can flatter kernels)
         t[RESERVED_BLOCKS:used].normal_(0.0, 0.5)
-    graphs = DecodeGraphs(model, kv, max(batches), blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                          batch_sizes=batches, cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
     t0 = time.perf_counter()
-    graphs.capture()
+    graphs = _decode_graphs(ctx, model, kv, batches, blocks_per_row * BLOCK_SIZE)
     capture_s = time.perf_counter() - t0
     out: dict[str, Any] = ctx.open({
         "context": context, "capture_s": round(capture_s, 2), "batches": {},
@@ -413,11 +410,8 @@ def _step_by_ops(ctx: Ctx, model: Any) -> dict[str, Any]:
 def _graphed_decode_ms(ctx: Ctx, model: Any, kv: Any, batches: tuple[int, ...], nb: int) -> dict[int, float]:
     """Median ms of a captured decode step of `model` at each batch size (rows at --context, `nb` blocks
     of table each, contiguous tables over `kv`)."""
-    from engine.cuda_graphs import DecodeGraphs
-
     context = ctx.args.context
-    graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE, batch_sizes=batches)
-    graphs.capture()
+    graphs = _decode_graphs(ctx, model, kv, batches, nb * BLOCK_SIZE)
     out: dict[int, float] = {}
     for b in batches:
         tables = contiguous_tables(b, nb)
@@ -426,6 +420,17 @@ def _graphed_decode_ms(ctx: Ctx, model: Any, kv: Any, batches: tuple[int, ...], 
                            reps=ctx.args.reps)["median_ms"]
     del graphs
     return out
+
+
+def kernel_times(prof: Any, name_len: int = 80) -> dict[str, list[float]]:
+    """Device microseconds of every CUDA kernel a torch.profiler run recorded, by kernel name (cut to
+    `name_len` characters)."""
+    by_name: dict[str, list[float]] = {}
+    for ev in prof.events():
+        if ev.device_type.name == "CUDA":
+            by_name.setdefault(ev.name[:name_len], []).append(
+                ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total)
+    return by_name
 
 
 def _profile_decode_kernels(ctx: Ctx, model: Any, batch: int = 1, prefill_tokens: int = 0) -> dict[str, Any]:
@@ -456,11 +461,7 @@ def _profile_decode_kernels(ctx: Ctx, model: Any, batch: int = 1, prefill_tokens
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             model.compute_logits(model(ids, pos, meta, kv))
             torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = {}
-    for ev in prof.events():
-        if ev.device_type.name == "CUDA":
-            by_name.setdefault(ev.name[:80], []).append(ev.device_time_total if hasattr(ev, "device_time_total")
-                                                         else ev.cuda_time_total)
+    by_name = kernel_times(prof)
     total = sum(sum(v) for v in by_name.values())
     top = sorted(by_name.items(), key=lambda kv_: -sum(kv_[1]))[:15]
     del kv
@@ -522,15 +523,12 @@ def _eager_decode_ms(model: Any, kv: Any, tables: list[list[int]], ids: list[int
 def bench_lite_generate(ctx: Ctx) -> dict[str, Any]:
     """64 x (128 in, 128 out): one batched prefill, then graph decode with argmax on the GPU."""
     from engine.attention import PassKind, RowSpec, build_metadata, positions_of
-    from engine.cuda_graphs import DecodeGraphs
 
     model = synthetic(ctx)
     n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
     blocks_per_row = -(-(n_in + n_out) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + n_req * blocks_per_row, BLOCK_SIZE)
-    graphs = DecodeGraphs(model, kv, n_req, blocks_per_row * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                          batch_sizes=(n_req,), cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
-    graphs.capture()
+    graphs = _decode_graphs(ctx, model, kv, (n_req,), blocks_per_row * BLOCK_SIZE)
     tables = contiguous_tables(n_req, blocks_per_row)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen)
@@ -579,10 +577,9 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     model = synthetic(ctx)
     n_req, n_in, n_out = ctx.args.requests, ctx.args.prompt_len, ctx.args.new_tokens
     blocks = RESERVED_BLOCKS + n_req * (-(-(n_in + n_out) // BLOCK_SIZE) + 1)
-    config = _engine_config(model="synthetic", device=ctx.device.type, dtype="bfloat16",
+    config = _engine_config(ctx, model="synthetic", device=ctx.device.type, dtype="bfloat16",
                             mode="nondeterministic", num_kv_blocks=blocks, max_num_seqs=n_req,
-                            max_num_batched_tokens=n_req * n_in, max_model_len=4096,
-                            decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
+                            max_num_batched_tokens=n_req * n_in, max_model_len=4096)
     shape = engine_shape(model, 4096)
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, model.arch.vocab_size, (n_req, n_in), generator=gen).tolist()
@@ -608,12 +605,24 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _engine_config(graphs: bool = True, **kw: Any) -> Any:
-    """EngineConfig for a CUDA bench run: Triton attention (batch_invariant keeps its own) and, with
-    `graphs`, the model runner's CUDA graphs (decode; verify when bit-exact)."""
+def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
+    """EngineConfig for a CUDA bench run: Triton attention (batch_invariant keeps its own), the bench's
+    --decode-cublaslt-min-rows and, with `graphs`, the model runner's CUDA graphs (decode; verify when
+    bit-exact)."""
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
-    return EngineConfig(cuda_graphs=graphs, **kw)
+    return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
+
+
+def _decode_graphs(ctx: Ctx, model: Any, kv: Any, batches: Sequence[int], max_seq_len: int) -> Any:
+    """Captured decode graphs of `model` for a bench section (scratch slot in block 1, the bench's
+    --decode-cublaslt-min-rows)."""
+    from engine.cuda_graphs import DecodeGraphs
+
+    graphs = DecodeGraphs(model, kv, max(batches), max_seq_len, scratch_slot=BLOCK_SIZE, batch_sizes=batches,
+                          cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
+    graphs.capture()
+    return graphs
 
 
 def _free() -> None:
@@ -885,7 +894,7 @@ def bench_smollm2_rollback(ctx: Ctx) -> dict[str, Any]:
             key = f"W{w}-{attn}"
             if not ctx.has_time(15, key):
                 continue
-            config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
+            config = _engine_config(ctx, a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                     dtype="bfloat16", mode="dvr", window=w, group=a.group,
                                     dvr_decode_attention=attn, num_kv_blocks=a.smol_kv_blocks,
                                     max_num_seqs=a.rollback_prompts, max_num_batched_tokens=8192,
@@ -950,7 +959,7 @@ def bench_wg_sweep(ctx: Ctx) -> dict[str, Any]:
     for w, g, decode_attn, key in runs:
         if not ctx.has_time(10, key):
             continue
-        config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
+        config = _engine_config(ctx, a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                 dtype="bfloat16", mode="dvr", window=w, group=g, dvr_decode_attention=decode_attn,
                                 num_kv_blocks=a.smol_kv_blocks, max_num_seqs=a.sweep_requests,
                                 max_num_batched_tokens=8192, cache_dir=a.cache_dir)
@@ -1080,11 +1089,11 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     a = ctx.args
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(a.engine_graphs, model=a.gguf, device=ctx.device.type,
+        config = _engine_config(ctx, a.engine_graphs, model=a.gguf, device=ctx.device.type,
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
                                 max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir,
-                                dvr_lookahead=a.dvr_lookahead, decode_cublaslt_min_rows=a.decode_cublaslt_min_rows)
+                                dvr_lookahead=a.dvr_lookahead)
         return smol_llm(ctx, config)
 
     probe = make("nondeterministic", 0.0)
@@ -1135,12 +1144,11 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     max_seqs = max([n] + [c for c, _, _ in shapes])
 
     def make(mode: str, share: float) -> Any:
-        config = _engine_config(a.engine_graphs, model="synthetic", device=ctx.device.type,
+        config = _engine_config(ctx, a.engine_graphs, model="synthetic", device=ctx.device.type,
                                 dtype="bfloat16", mode=mode, window=32, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
                                 max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
-                                fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead,
-                                decode_cublaslt_min_rows=a.decode_cublaslt_min_rows)
+                                fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead)
         llm = LLM.from_parts(config, model, shape, eos_ids=set())
         llm.bench_graphs = llm.core.runner.graphs_status
         return llm
