@@ -81,7 +81,7 @@ def test_kv_budget_follows_free_memory(smol: Any) -> None:
     assert 0.04 * free_before <= kv_bytes <= 0.05 * free_before + per_block
 
 
-@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "split"])
+@pytest.mark.parametrize("attention", ["canonical", "canonical_step", "canonical_step_short", "split"])
 def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     """A steady-state graph decode step stages into static buffers and returns a view of the static
     float32 logits: no device allocation. DVR with canonical decode passes the static canonical_rows."""
@@ -91,7 +91,9 @@ def test_graph_decode_step_allocates_nothing(smol: Any, attention: str) -> None:
     runner = llm.core.runner
     assert runner.decode_graphs is not None, runner.graphs_status
     assert runner.decode_graphs.canonical == (attention != "split")
-    assert runner.decode_graphs.canonical_step == (attention == "canonical_step")
+    assert runner.decode_graphs.canonical_step == (attention in ("canonical_step", "canonical_step_short"))
+    if runner.long_decode_graphs is not None:  # canonical_step_short: the long family keeps the side stream
+        assert runner.long_decode_graphs.canonical_step == (attention == "canonical_step")
     rows = [Row([5 + i], 20 + i, [2 + 2 * i, 3 + 2 * i], i % 2 == 0) for i in range(5)]  # blocks of no sequence
     first = runner.decode(rows).clone()
     torch.cuda.synchronize()

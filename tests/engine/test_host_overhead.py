@@ -101,6 +101,7 @@ def test_layout_refuses_a_table_too_short() -> None:
 
 @pytest.mark.parametrize("mode,attention,expect", [("dvr", "canonical", True), ("dvr", "split", False),
                                                    ("dvr", "canonical_step", True),
+                                                   ("dvr", "canonical_step_short", True),
                                                    ("nondeterministic", "canonical", False)])
 def test_forward_tensors_and_canonical_rows(mode: str, attention: str, expect: bool) -> None:
     run, model = runner(mode=mode, dvr_decode_attention=attention)
@@ -116,6 +117,7 @@ def test_forward_tensors_and_canonical_rows(mode: str, attention: str, expect: b
     if expect:
         assert meta.canonical_rows is not None and meta.canonical_rows.dtype == torch.int32
         assert meta.canonical_rows.tolist() == [int(r.canonical) for r in rows]
+        # canonical_step_short steps canonically only in the short graph family: eager steps keep the split
         assert meta.canonical_step == (attention == "canonical_step")
     else:
         assert meta.canonical_rows is None and not meta.canonical_step
