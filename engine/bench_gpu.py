@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.config import RESERVED_BLOCKS, EngineConfig
+from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS, RESERVED_BLOCKS, EngineConfig
 from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
@@ -619,8 +619,9 @@ def _decode_graphs(ctx: Ctx, model: Any, kv: Any, batches: Sequence[int], max_se
     --decode-cublaslt-min-rows)."""
     from engine.cuda_graphs import DecodeGraphs
 
+    min_rows = ctx.args.decode_cublaslt_min_rows
     graphs = DecodeGraphs(model, kv, max(batches), max_seq_len, scratch_slot=BLOCK_SIZE, batch_sizes=batches,
-                          cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows)
+                          cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS if min_rows is None else min_rows)
     graphs.capture()
     return graphs
 
@@ -989,6 +990,42 @@ def sharegpt_like_lengths(n: int, seed: int, lo: int, hi: int) -> list[int]:
     return [int(round(math.exp(math.log(lo) + x * (math.log(hi) - math.log(lo))))) for x in u.tolist()]
 
 
+def log_uniform_mean(lo: int, hi: int) -> float:
+    """The mean of the log-uniform distribution on [lo, hi] (what `sharegpt_like_lengths` draws from)."""
+    return (hi - lo) / math.log(hi / lo)
+
+
+# Synthetic request-set specs of compare_modes_synthetic(_long):
+#   "sharegpt"            the mix: prompts log-uniform in [16, 512], outputs in [16, --compare-tokens]
+#   "sharegpt-PxO"        the mix with prompts in [16, P] and outputs in [16, O]. "sharegpt-896x640": its 96
+#                         requests average 226 prompt and 201 output tokens, the per-request means of ShareGPT
+#                         (ShareGPT_V3_unfiltered_cleaned_split) as SGLang's serving benchmark samples it: 3000
+#                         prompts, 676,842 input and 613,123 generated tokens = 226 / 204 (the SGLang author's
+#                         published run, gist.github.com/merrymercy/e3041f0029db232adbe845cf995b3290). The plain
+#                         "sharegpt" mix (outputs <= 128: mean 59) is ShareGPT's shape with outputs 3.4x shorter.
+#   "NxPxO"               N requests of exactly P prompt and O output tokens
+MIX_LO = 16
+
+
+def parse_set_spec(spec: str, compare_tokens: int) -> tuple[str, str, tuple[int, ...]]:
+    """A set spec -> (kind "mix" | "fixed", result key, numbers): ("mix", "modes", (512, compare_tokens)) for
+    "sharegpt", ("mix", "mix_PxO", (P, O)) for "sharegpt-PxO", ("fixed", "fixed_NxPxO", (N, P, O))."""
+    def ints(text: str, count: int) -> tuple[int, ...]:
+        parts = text.split("x")
+        if len(parts) != count or not all(x.isdigit() and int(x) > 0 for x in parts):
+            raise ValueError(f"request set {spec!r}: expected {count} positive integers joined by 'x'")
+        return tuple(int(x) for x in parts)
+
+    if spec == "sharegpt":
+        return "mix", "modes", (512, compare_tokens)
+    if spec.startswith("sharegpt-"):
+        p_max, o_max = ints(spec[len("sharegpt-"):], 2)
+        if min(p_max, o_max) <= MIX_LO:
+            raise ValueError(f"request set {spec!r}: the maxima must exceed the minimum length {MIX_LO}")
+        return "mix", f"mix_{p_max}x{o_max}", (p_max, o_max)
+    return "fixed", f"fixed_{spec}", ints(spec, 3)
+
+
 WARMUP_TOKENS = 4  # per request, in each mode's untimed warm-up
 
 
@@ -1134,14 +1171,16 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     fault_rate = ctx.extras["smollm2_rollbacks_per_token_w32"] if measured else a.fault_rate
     n = a.compare_requests
     gen = torch.Generator().manual_seed(3)
-    in_lens = sharegpt_like_lengths(n, 11, 16, 512)
-    mix_prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
-    mix_out = sharegpt_like_lengths(n, 13, 16, a.compare_tokens)
-    fixed = [spec for spec in sets if spec != "sharegpt"]
-    shapes = [tuple(int(x) for x in spec.split("x")) for spec in fixed]
-    blocks = RESERVED_BLOCKS + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(in_lens, mix_out))]
-                     + [c * -(-(p + o + 64) // BLOCK_SIZE) for c, p, o in shapes])
-    max_seqs = max([n] + [c for c, _, _ in shapes])
+    parsed = [(spec, *parse_set_spec(spec, a.compare_tokens)) for spec in sets]
+    # every mix draws its prompt and output lengths from the same seeds (so "sharegpt" keeps the requests
+    # of earlier runs) and its prompt tokens from `gen` in set order
+    mixes = {spec: (sharegpt_like_lengths(n, 11, MIX_LO, nums[0]), sharegpt_like_lengths(n, 13, MIX_LO, nums[1]))
+             for spec, kind, _, nums in parsed if kind == "mix"}
+    shapes = [nums for _, kind, _, nums in parsed if kind == "fixed"]
+    blocks = RESERVED_BLOCKS + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(ins, outs))
+                                    for ins, outs in mixes.values()]
+                                   + [c * -(-(p + o + 64) // BLOCK_SIZE) for c, p, o in shapes])
+    max_seqs = max([n] * bool(mixes) + [c for c, _, _ in shapes])
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(ctx, a.engine_graphs, model="synthetic", device=ctx.device.type,
@@ -1157,13 +1196,24 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
                     "fault_rate_source": ("SmolLM2 W=32 canonical, this run" if measured
                                           else "--fault-rate (default: committed SmolLM2 W=32 measurement)"),
                     "dvr_decode_attention": a.dvr_decode_attention, "window": 32, "group": a.group})
-    if "sharegpt" in sets:
-        res.update({"requests": n, "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(mix_out) / n,
-                    "modes": {}})
-        _run_modes(ctx, make, mix_prompts, mix_out, a.compare_cap_s, "syn", res["modes"])
-    for spec, (count, p_len, o_len) in zip(fixed, shapes):
+    for spec, kind, key, nums in parsed:
+        if kind == "mix":
+            in_lens, out_lens = mixes[spec]
+            prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
+            info = {"requests": n, "prompt_len_range": [MIX_LO, nums[0]], "output_len_range": [MIX_LO, nums[1]],
+                    "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(out_lens) / n}
+            if key == "modes":  # the first mix keeps its place at the section's top level
+                res.update(info)
+                entry = res
+            else:
+                entry = res[key] = {"spec": spec, **info}
+            entry["modes"] = {}
+            _run_modes(ctx, make, prompts, out_lens, a.compare_cap_s, "syn" if key == "modes" else key,
+                       entry["modes"])
+            continue
+        count, p_len, o_len = nums
         prompts = [torch.randint(0, model.arch.vocab_size, (p_len,), generator=gen).tolist() for _ in range(count)]
-        entry = res[f"fixed_{spec}"] = {"requests": count, "prompt_len": p_len, "output_len": o_len, "modes": {}}
+        entry = res[key] = {"requests": count, "prompt_len": p_len, "output_len": o_len, "modes": {}}
         if p_len + o_len > GRAPH_MAX_LEN:
             entry["note"] = (f"{count} requests, kept few so that the six modes fit one device call; rows longer "
                              f"than {GRAPH_MAX_LEN} tokens decode through the second decode-graph family "
@@ -1319,8 +1369,8 @@ def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
                        ("compare_modes_synthetic_long", "synthetic 8B")):
         sec_res = result.get(sec, {})
         groups = [(label, sec_res.get("modes", {}))] + [
-            (f"synthetic 8B {k[len('fixed_'):]}", v.get("modes", {})) for k, v in sec_res.items()
-            if k.startswith("fixed_") and isinstance(v, dict)]
+            (f"synthetic 8B {k.split('_', 1)[1]}{' mix' if k.startswith('mix_') else ''}", v.get("modes", {}))
+            for k, v in sec_res.items() if k.startswith(("fixed_", "mix_")) and isinstance(v, dict)]
         for name, modes in groups:
             vals = {k: v["ratio_to_nondeterministic"] for k, v in modes.items() if "ratio_to_nondeterministic" in v}
             if vals:
@@ -1381,10 +1431,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--dvr-decode-attention", default="auto",
                    choices=["auto", "canonical", "canonical_step", "canonical_step_short", "split"],
                    help="EngineConfig.dvr_decode_attention in the compare_modes sections")
-    p.add_argument("--decode-cublaslt-min-rows", type=int, default=0,
+    p.add_argument("--decode-cublaslt-min-rows", type=int, default=None,
                    help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench "
                         "builds (graphs of at least this many padded rows capture their GEMMs with cuBLASLt; "
-                        "0 = never)")
+                        "0 = never; default: the engine's, DEFAULT_DECODE_CUBLASLT_MIN_ROWS)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1400,8 +1450,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--mode-repeats", type=int, default=3,
                    help="timed runs per mode on its warm engine; the median run (by time) is reported")
     p.add_argument("--fixed-cap-s", type=float, default=80.0, help="per mode, fixed request sets")
-    p.add_argument("--synthetic-sets", type=_csv, default=["sharegpt", "16x1024x256"],
-                   help="compare_modes_synthetic request sets: 'sharegpt' and/or REQUESTSxPROMPTxOUTPUT")
+    p.add_argument("--synthetic-sets", type=_csv, default=["sharegpt", "16x1024x256", "sharegpt-896x640"],
+                   help="compare_modes_synthetic request sets: 'sharegpt' (outputs <= --compare-tokens), "
+                        "'sharegpt-PxO' (prompts <= P, outputs <= O) and/or REQUESTSxPROMPTxOUTPUT")
     p.add_argument("--long-sets", type=_csv, default=["16x4096x1024"],
                    help="compare_modes_synthetic_long request sets (the issue's 4k-in/1k-out)")
     p.add_argument("--fault-rate", type=float, default=COMMITTED_SMOLLM2_FAULT_RATE,
@@ -1464,7 +1515,10 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(argv)}
-    result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets}
+    result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
+                      # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
+                      "decode_cublaslt_min_rows": (DEFAULT_DECODE_CUBLASLT_MIN_ROWS if args.decode_cublaslt_min_rows
+                                                   is None else args.decode_cublaslt_min_rows)}
     ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
     ctx.deadline = ctx.t_start + args.deadline_s
     png_path = out_dir / f"{args.name}.png"
@@ -1569,7 +1623,7 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
         if "fault_rate" in sec_res:
             lines.append(f"{sec}: fault rate {sec_res['fault_rate']:.5f} ({sec_res.get('fault_rate_source')})")
         groups = [(sec, sec_res.get("modes", {}))] + [(f"{sec}.{k}", v.get("modes", {})) for k, v in sec_res.items()
-                                                      if k.startswith("fixed_") and isinstance(v, dict)]
+                                                      if k.startswith(("fixed_", "mix_")) and isinstance(v, dict)]
         for label, modes in groups:
             for k, v in modes.items():
                 ratio = v.get("ratio_to_nondeterministic")

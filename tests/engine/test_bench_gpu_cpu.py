@@ -40,7 +40,7 @@ def test_parse_args_defaults() -> None:
     rollback = Path(__file__).resolve().parents[2] / "bench/results/2026-11-29-s3/gpu-bench-rollback.json"
     w32 = json.loads(rollback.read_text())["smollm2_rollback"]["runs"]["W32-canonical"]
     assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
-    assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256"]
+    assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256", "sharegpt-896x640"]
     assert args.rollback_decode_attention == ["canonical", "split"]
     assert bg.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
     with pytest.raises(SystemExit):
@@ -164,3 +164,23 @@ def test_drive_reports_the_decode_phase(tmp_path: Path, tiny_make: Any) -> None:
     assert 0 < res["decode_phase_s"] < res["seconds"] and res["decode_phase_tok_per_s"] > 0
     # at most 11 tokens per request are left once each holds one
     assert res["decode_phase_tok_per_s"] * res["decode_phase_s"] <= 66 + 1e-6
+
+
+def test_set_specs_and_the_sharegpt_matched_mix() -> None:
+    assert bg.parse_set_spec("sharegpt", 128) == ("mix", "modes", (512, 128))
+    assert bg.parse_set_spec("sharegpt-896x640", 128) == ("mix", "mix_896x640", (896, 640))
+    assert bg.parse_set_spec("16x1024x256", 128) == ("fixed", "fixed_16x1024x256", (16, 1024, 256))
+    for bad in ("sharegpt-896", "sharegpt-16x640", "16x1024", "4x0x3", "sharegpt-ax3"):
+        with pytest.raises(ValueError, match="request set"):
+            bg.parse_set_spec(bad, 128)
+    # the 96 requests the bench draws (seeds 11 / 13): the matched mix averages ShareGPT's per-request means
+    # as SGLang's benchmark samples them (676,842 / 3000 = 226 prompt, 613,123 / 3000 = 204 output tokens)
+    # within 2 %; the plain mix's outputs are 3.4x shorter
+    prompts, outputs = bg.sharegpt_like_lengths(96, 11, 16, 896), bg.sharegpt_like_lengths(96, 13, 16, 640)
+    assert min(prompts + outputs) >= 16 and max(prompts) <= 896 and max(outputs) <= 640
+    assert abs(sum(prompts) / 96 / (676842 / 3000) - 1) < 0.02
+    assert abs(sum(outputs) / 96 / (613123 / 3000) - 1) < 0.02
+    short = bg.sharegpt_like_lengths(96, 13, 16, 128)
+    assert 3.3 < (613123 / 3000) / (sum(short) / 96) < 3.5
+    # the distribution's mean, which the draws follow
+    assert abs(bg.log_uniform_mean(16, 896) / (sum(prompts) / 96) - 1) < 0.05
