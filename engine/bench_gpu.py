@@ -614,14 +614,19 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
 
+def cublaslt_min_rows(args: argparse.Namespace) -> int:
+    """--decode-cublaslt-min-rows resolved: None (the default) is the engine's default for CUDA graphs."""
+    value = args.decode_cublaslt_min_rows
+    return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if value is None else value
+
+
 def _decode_graphs(ctx: Ctx, model: Any, kv: Any, batches: Sequence[int], max_seq_len: int) -> Any:
     """Captured decode graphs of `model` for a bench section (scratch slot in block 1, the bench's
     --decode-cublaslt-min-rows)."""
     from engine.cuda_graphs import DecodeGraphs
 
-    min_rows = ctx.args.decode_cublaslt_min_rows
     graphs = DecodeGraphs(model, kv, max(batches), max_seq_len, scratch_slot=BLOCK_SIZE, batch_sizes=batches,
-                          cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS if min_rows is None else min_rows)
+                          cublaslt_min_rows=cublaslt_min_rows(ctx.args))
     graphs.capture()
     return graphs
 
@@ -1180,7 +1185,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     blocks = RESERVED_BLOCKS + max([sum(-(-(i + o + 64) // BLOCK_SIZE) for i, o in zip(ins, outs))
                                     for ins, outs in mixes.values()]
                                    + [c * -(-(p + o + 64) // BLOCK_SIZE) for c, p, o in shapes])
-    max_seqs = max([n] * bool(mixes) + [c for c, _, _ in shapes])
+    max_seqs = max(([n] if mixes else []) + [c for c, _, _ in shapes])
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(ctx, a.engine_graphs, model="synthetic", device=ctx.device.type,
@@ -1517,8 +1522,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": environment(argv)}
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
-                      "decode_cublaslt_min_rows": (DEFAULT_DECODE_CUBLASLT_MIN_ROWS if args.decode_cublaslt_min_rows
-                                                   is None else args.decode_cublaslt_min_rows)}
+                      "decode_cublaslt_min_rows": cublaslt_min_rows(args)}
     ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
     ctx.deadline = ctx.t_start + args.deadline_s
     png_path = out_dir / f"{args.name}.png"

@@ -42,6 +42,9 @@ def test_parse_args_defaults() -> None:
     assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
     assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256", "sharegpt-896x640"]
     assert args.rollback_decode_attention == ["canonical", "split"]
+    # --decode-cublaslt-min-rows: unset = the engine's default; 0 and other values kept
+    assert args.decode_cublaslt_min_rows is None and bg.cublaslt_min_rows(args) == 32
+    assert bg.cublaslt_min_rows(bg.parse_args(["--decode-cublaslt-min-rows", "0"])) == 0
     assert bg.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
