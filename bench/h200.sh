@@ -8,7 +8,8 @@
 # probe (batch-invariant GEMM tile shapes), modes (issue 6 comparison on the 8B
 # and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set), canonical (what a
 # decode step pays for canonical DVR rows: bench/canonical_step_probe.py), step (GEMM / decode / verify kernel
-# breakdown and verify beside decode on two streams: bench/step_probe.py).
+# breakdown and verify beside decode on two streams: bench/step_probe.py;
+# STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail

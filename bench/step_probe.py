@@ -10,6 +10,11 @@
    between kernels = replay time - summed kernel time).
 3. Concurrency: the verify graph on a side stream while the main stream replays k decode steps, against
    the same work one after the other (k = 1, 2, 3).
+4. With --split-sweep (eighth session; not yet run): the captured decode step at batch 16 / 32 / 64 for
+   each split-KV split size 64 / 128 / 256 / 512, cuBLASLt from the engine's default row count as the
+   engine captures it, with the split kernel's device time at each size: whether the split table
+   (`decode_split_for_rows`) leaves time at the batches issue 5's throughput runs at.
+   `--only-split-sweep` skips 1-3.
 Writes step-probe.json to DIR.
 """
 from __future__ import annotations
@@ -63,12 +68,48 @@ def profile_replays(fn: Any, n: int = 5) -> dict[str, Any]:
             "top": [{"name": k, "count": len(v) / n, "us": round(sum(v) / n, 1)} for k, v in top]}
 
 
+def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
+                batches: tuple[int, ...] = (16, 32, 64), sizes: tuple[int, ...] = (64, 128, 256, 512)) -> dict[str, Any]:
+    """Median replay ms of the captured decode step per (split size, batch), and the split kernel's device
+    µs per replay; the model's attention backend gets back its own split setting afterwards."""
+    from engine.attention.triton_paged import decode_split_for_rows
+    from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS
+    from engine.cuda_graphs import DecodeGraphs
+
+    backend = model.attention
+    saved = backend.split_size
+    out: dict[str, Any] = {"context": context, "default_split": {b: decode_split_for_rows(b) for b in batches},
+                           "cublaslt_min_rows": DEFAULT_DECODE_CUBLASLT_MIN_ROWS, "runs": {}}
+    try:
+        for size in sizes:
+            backend.split_size = size
+            graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
+                                  batch_sizes=batches, cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS)
+            graphs.capture()
+            for b in batches:
+                graphs.run([(5 * r + 3) % model.arch.vocab_size for r in range(b)], [context - 1] * b,
+                           [context] * b, contiguous_tables(b, nb))
+                step = graphs.graphs[b]
+                prof = profile_replays(step.replay)
+                attn = sum(k["us"] for k in prof["top"] if "decode_split" in k["name"])
+                out["runs"][f"split{size}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
+                                                   "split_kernel_us": round(attn, 1)}
+                print("split", size, "b", b, out["runs"][f"split{size}_b{b}"], flush=True)
+            del graphs
+            torch.cuda.synchronize()
+    finally:
+        backend.split_size = saved
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--skip-gemm", action="store_true")
+    ap.add_argument("--split-sweep", action="store_true", help="part 4: decode step time per split size")
+    ap.add_argument("--only-split-sweep", action="store_true", help="part 4 alone")
     a = ap.parse_args()
     from engine.attention import PassKind, RowSpec, build_metadata, positions_of
     from engine.cuda_graphs import DecodeGraphs, VerifyGraph
@@ -83,7 +124,7 @@ def main() -> int:
 
     model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b"), torch.bfloat16, "cuda", seed=0,
                                   attention_backend="triton")
-    if not a.skip_gemm:
+    if not (a.skip_gemm or a.only_split_sweep):
         result["gemm"] = gemm_table(model, a.reps)
         dump()
     g, w = 8, 32
@@ -91,7 +132,10 @@ def main() -> int:
     nb = -(-(a.context + w + 1) // BLOCK_SIZE)
     kv = model.allocate_kv_cache(RESERVED_BLOCKS + (max(batches) + g) * nb, BLOCK_SIZE)
     fill_cache_(kv)
-    for lib in ("cublas", "cublaslt"):
+    if a.split_sweep or a.only_split_sweep:
+        result["split_sweep"] = split_sweep(model, kv, nb, a.context, a.reps)
+        dump()
+    for lib in (() if a.only_split_sweep else ("cublas", "cublaslt")):
         torch.backends.cuda.preferred_blas_library(lib)
         res: dict[str, Any] = {}
         graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
