@@ -3,7 +3,7 @@
 
     python bench/step_probe.py --out DIR [--context 256] [--reps 30]
 
-1. GEMMs of every 8B linear shape at M = 1 / 64 / 256, cuBLAS (torch's default) against cuBLASLt
+1. GEMMs of every 8B linear shape at M = 1 / 64 / 256 / 320 / 384 (`GEMM_ROWS`), cuBLAS (torch's default) against cuBLASLt
    (`torch.backends.cuda.preferred_blas_library`): median ms, TB/s of weight traffic, TFLOP/s.
 2. Captured decode steps (batch 1 and 64, plain split-KV graphs) and the captured 8 x 32 verify pass:
    median ms, and each one's kernels under the profiler (count, device time by kernel, and the time
@@ -34,13 +34,18 @@ from engine.bench_gpu import (  # noqa: E402
 )
 
 
+# M = 1 / 64: decode; 256: the 8 x 32 verify pass; 320 / 384: a verify pass carrying a decode step's 64 / 128
+# rows beside its 256 tokens (one weight read for both; not built: what it would cost, eighth session)
+GEMM_ROWS = (1, 64, 256, 320, 384)
+
+
 def gemm_table(model: Any, reps: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for lib in ("cublas", "cublaslt"):
         torch.backends.cuda.preferred_blas_library(lib)
         for n, k in model.linear_shapes():
             w = torch.randn(n, k, dtype=torch.bfloat16, device="cuda") * 0.02
-            for m in (1, 64, 256):
+            for m in GEMM_ROWS:
                 x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
                 ms = time_cuda(lambda: torch.nn.functional.linear(x, w), reps=reps)["median_ms"]
                 out[f"{lib} n{n} k{k} m{m}"] = {
