@@ -11,9 +11,10 @@
 3. Concurrency: the verify graph on a side stream while the main stream replays k decode steps, against
    the same work one after the other (k = 1, 2, 3).
 4. With --split-sweep (eighth session; not yet run): the captured decode step at batch 16 / 32 / 64 for
-   each split-KV split size 64 / 128 / 256 / 512, cuBLASLt from the engine's default row count as the
-   engine captures it, with the split kernel's device time at each size: whether the split table
-   (`decode_split_for_rows`) leaves time at the batches issue 5's throughput runs at.
+   each split-KV split size 64 / 128 / 256 / 512, and for the default split at other warps / pipeline
+   stages of the split kernel (`triton_paged.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES`), cuBLASLt from the
+   engine's default row count as the engine captures it, with the split kernel's device time: whether
+   the split table and launch leave time at the batches issue 5's throughput runs at.
    `--only-split-sweep` skips 1-3.
 Writes step-probe.json to DIR.
 """
@@ -75,19 +76,26 @@ def profile_replays(fn: Any, n: int = 5) -> dict[str, Any]:
 
 def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
                 batches: tuple[int, ...] = (16, 32, 64), sizes: tuple[int, ...] = (64, 128, 256, 512)) -> dict[str, Any]:
-    """Median replay ms of the captured decode step per (split size, batch), and the split kernel's device
-    µs per replay; the model's attention backend gets back its own split setting afterwards."""
+    """Median replay ms of the captured decode step per (variant, batch) and the split kernel's device µs per
+    replay. Variants: each split size at the default launch, and the default split (by rows) at 4 or 8 warps
+    and 2-4 pipeline stages. The backend's split setting and the launch constants are restored afterwards."""
     from engine.attention.triton_paged import decode_split_for_rows
     from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS
     from engine.cuda_graphs import DecodeGraphs
 
+    from engine.attention import triton_paged as tp
+
     backend = model.attention
-    saved = backend.split_size
+    saved = backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES
     out: dict[str, Any] = {"context": context, "default_split": {b: decode_split_for_rows(b) for b in batches},
+                           "default_warps_stages": [tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES],
                            "cublaslt_min_rows": DEFAULT_DECODE_CUBLASLT_MIN_ROWS, "runs": {}}
+    # each split size at the default launch; then the default split (by rows) at other warps / stages
+    variants = [(size, saved[1], saved[2], f"split{size}") for size in sizes] + [
+        (None, w, st, f"w{w}s{st}") for w, st in ((4, 3), (4, 4), (8, 2), (8, 3))]
     try:
-        for size in sizes:
-            backend.split_size = size
+        for size, warps, stages, tag in variants:
+            backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES = size, warps, stages
             graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
                                   batch_sizes=batches, cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS)
             graphs.capture()
@@ -97,13 +105,13 @@ def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
                 step = graphs.graphs[b]
                 prof = profile_replays(step.replay)
                 attn = sum(k["us"] for k in prof["top"] if "decode_split" in k["name"])
-                out["runs"][f"split{size}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
-                                                   "split_kernel_us": round(attn, 1)}
-                print("split", size, "b", b, out["runs"][f"split{size}_b{b}"], flush=True)
+                out["runs"][f"{tag}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
+                                              "split_kernel_us": round(attn, 1)}
+                print(tag, "b", b, out["runs"][f"{tag}_b{b}"], flush=True)
             del graphs
             torch.cuda.synchronize()
     finally:
-        backend.split_size = saved
+        backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES = saved
     return out
 
 

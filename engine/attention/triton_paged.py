@@ -66,6 +66,10 @@ PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in ord
 KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
 
 DECODE_BLOCK_N = 64
+# launch parameters of the split-KV decode kernel (fast path only: no committed bit depends on them);
+# module constants so that bench/step_probe.py can sweep them
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
 # the backend's default split size by padded batch (decode_split_for_rows): (at most this many rows, split)
 DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
@@ -229,7 +233,7 @@ def decode_attention(
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
         DOT_PRECISION=_dot_precision(q), HAS_ROW_MASK=skip_rows is not None,
         NUM_SPLITS=num_splits, FUSED_MERGE=merge == "fused", MERGE_PAD=_next_pow2(group),
-        num_warps=4, num_stages=2,
+        num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     if merge == "fused":
         return out
