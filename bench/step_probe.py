@@ -3,8 +3,8 @@
 
     python bench/step_probe.py --out DIR [--context 256] [--reps 30]
 
-1. GEMMs of every 8B linear shape at M = 1 / 64 / 256 / 320 / 384 (`GEMM_ROWS`), cuBLAS (torch's default) against cuBLASLt
-   (`torch.backends.cuda.preferred_blas_library`): median ms, TB/s of weight traffic, TFLOP/s.
+1. GEMMs of every 8B linear shape at M = 1 / 64 / 256 / 320 / 384 (`GEMM_ROWS`), cuBLAS (torch's default)
+   against cuBLASLt (`torch.backends.cuda.preferred_blas_library`): median ms, TB/s of weight traffic, TFLOP/s.
 2. Captured decode steps (batch 1 and 64, plain split-KV graphs) and the captured 8 x 32 verify pass:
    median ms, and each one's kernels under the profiler (count, device time by kernel, and the time
    between kernels = replay time - summed kernel time).
@@ -74,8 +74,17 @@ def profile_replays(fn: Any, n: int = 5) -> dict[str, Any]:
             "top": [{"name": k, "count": len(v) / n, "us": round(sum(v) / n, 1)} for k, v in top]}
 
 
+def stage_decode(graphs: Any, model: Any, rows: int, nb: int, context: int) -> Any:
+    """Run the captured decode step of `rows` rows once at `context` keys (contiguous tables of `nb` blocks)
+    and return its graph: replays reuse the staged inputs."""
+    graphs.run([(5 * r + 3) % model.arch.vocab_size for r in range(rows)], [context - 1] * rows,
+               [context] * rows, contiguous_tables(rows, nb))
+    return graphs.graphs[rows]
+
+
 def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
-                batches: tuple[int, ...] = (16, 32, 64), sizes: tuple[int, ...] = (64, 128, 256, 512)) -> dict[str, Any]:
+                batches: tuple[int, ...] = (16, 32, 64),
+                sizes: tuple[int, ...] = (64, 128, 256, 512)) -> dict[str, Any]:
     """Median replay ms of the captured decode step per (variant, batch) and the split kernel's device µs per
     replay. Variants: each split size at the default launch, and the default split (by rows) at 4 or 8 warps
     and 2-4 pipeline stages. The backend's split setting and the launch constants are restored afterwards."""
@@ -100,9 +109,7 @@ def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
                                   batch_sizes=batches, cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS)
             graphs.capture()
             for b in batches:
-                graphs.run([(5 * r + 3) % model.arch.vocab_size for r in range(b)], [context - 1] * b,
-                           [context] * b, contiguous_tables(b, nb))
-                step = graphs.graphs[b]
+                step = stage_decode(graphs, model, b, nb, context)
                 prof = profile_replays(step.replay)
                 attn = sum(k["us"] for k in prof["top"] if "decode_split" in k["name"])
                 out["runs"][f"{tag}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
@@ -165,11 +172,7 @@ def main() -> int:
         res["verify_bit_exact"] = vg.bit_exact
         steps = {}
         for b in batches:
-            tables = contiguous_tables(b, nb)
-            dids = [(5 * r + 3) % model.arch.vocab_size for r in range(b)]
-            dpos, lens = [a.context - 1] * b, [a.context] * b
-            graphs.run(dids, dpos, lens, tables)  # stage once; replays below reuse the staged inputs
-            steps[b] = graphs.graphs[b]
+            steps[b] = stage_decode(graphs, model, b, nb, a.context)
             t = time_cuda(steps[b].replay, reps=a.reps)
             res[f"decode_b{b}_ms"] = t["median_ms"]
             res[f"decode_b{b}_profile"] = profile_replays(steps[b].replay)

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS, RESERVED_BLOCKS, EngineConfig
+from engine.config import RESERVED_BLOCKS, EngineConfig, resolve_decode_cublaslt_min_rows
 from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
@@ -615,9 +615,9 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
 
 
 def cublaslt_min_rows(args: argparse.Namespace) -> int:
-    """--decode-cublaslt-min-rows resolved: None (the default) is the engine's default for CUDA graphs."""
-    value = args.decode_cublaslt_min_rows
-    return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if value is None else value
+    """--decode-cublaslt-min-rows as the bench's decode graphs use it (None: the engine's default for CUDA
+    graphs)."""
+    return resolve_decode_cublaslt_min_rows(args.decode_cublaslt_min_rows, True)
 
 
 def _decode_graphs(ctx: Ctx, model: Any, kv: Any, batches: Sequence[int], max_seq_len: int) -> Any:
@@ -1031,6 +1031,13 @@ def parse_set_spec(spec: str, compare_tokens: int) -> tuple[str, str, tuple[int,
     return "fixed", f"fixed_{spec}", ints(spec, 3)
 
 
+def request_sets(sec_res: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(result key, modes) of a mode-comparison section's request sets below its top level (the top level
+    holds the "sharegpt" mix's modes): "mix_PxO" and "fixed_NxPxO" entries, in result order."""
+    return [(k, v.get("modes", {})) for k, v in sec_res.items()
+            if k.startswith(("fixed_", "mix_")) and isinstance(v, dict)]
+
+
 WARMUP_TOKENS = 4  # per request, in each mode's untimed warm-up
 
 
@@ -1207,7 +1214,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
             prompts = [torch.randint(0, model.arch.vocab_size, (m,), generator=gen).tolist() for m in in_lens]
             info = {"requests": n, "prompt_len_range": [MIX_LO, nums[0]], "output_len_range": [MIX_LO, nums[1]],
                     "prompt_len_mean": sum(in_lens) / n, "output_len_mean": sum(out_lens) / n}
-            if key == "modes":  # the first mix keeps its place at the section's top level
+            if key == "modes":  # "sharegpt" keeps its place at the section's top level
                 res.update(info)
                 entry = res
             else:
@@ -1374,8 +1381,8 @@ def _panel_modes(ax: Any, result: dict[str, Any]) -> bool:
                        ("compare_modes_synthetic_long", "synthetic 8B")):
         sec_res = result.get(sec, {})
         groups = [(label, sec_res.get("modes", {}))] + [
-            (f"synthetic 8B {k.split('_', 1)[1]}{' mix' if k.startswith('mix_') else ''}", v.get("modes", {}))
-            for k, v in sec_res.items() if k.startswith(("fixed_", "mix_")) and isinstance(v, dict)]
+            (f"synthetic 8B {k.split('_', 1)[1]}{' mix' if k.startswith('mix_') else ''}", modes)
+            for k, modes in request_sets(sec_res)]
         for name, modes in groups:
             vals = {k: v["ratio_to_nondeterministic"] for k, v in modes.items() if "ratio_to_nondeterministic" in v}
             if vals:
@@ -1626,8 +1633,7 @@ def _summary_lines(result: dict[str, Any]) -> list[str]:
         sec_res = result.get(sec, {})
         if "fault_rate" in sec_res:
             lines.append(f"{sec}: fault rate {sec_res['fault_rate']:.5f} ({sec_res.get('fault_rate_source')})")
-        groups = [(sec, sec_res.get("modes", {}))] + [(f"{sec}.{k}", v.get("modes", {})) for k, v in sec_res.items()
-                                                      if k.startswith(("fixed_", "mix_")) and isinstance(v, dict)]
+        groups = [(sec, sec_res.get("modes", {}))] + [(f"{sec}.{k}", modes) for k, modes in request_sets(sec_res)]
         for label, modes in groups:
             for k, v in modes.items():
                 ratio = v.get("ratio_to_nondeterministic")

@@ -8,9 +8,17 @@ import torch
 
 DEFAULT_MODEL = "default"
 # decode graphs of at least this many padded rows use cuBLASLt by default (CUDA graphs on): on the H200 the 8B
-# step at batch 64 replayed 3-5 % faster with it, batch 1 slower (bench/results/2026-12-02-s7 step probe,
-# 2026-12-02-s8 engine runs); batch 16 was not measured apart, so the cut sits between 16 and 64
+# step at batch 64 replayed 2.8 % (engine A/B, bench/results/2026-12-02-s8) to 5 % (step probe, 2026-12-02-s7)
+# faster with it, batch 1 slower; batch 16 was not measured apart, so the cut sits between 16 and 64
 DEFAULT_DECODE_CUBLASLT_MIN_ROWS = 32
+
+
+def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: bool) -> int:
+    """EngineConfig.decode_cublaslt_min_rows as the engine uses it: None is DEFAULT_DECODE_CUBLASLT_MIN_ROWS
+    where CUDA decode graphs are captured and 0 elsewhere; any other value is kept (and checked by the config)."""
+    if value is not None:
+        return value
+    return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if cuda_graphs_on_cuda else 0
 
 
 class Mode(str, enum.Enum):
@@ -75,8 +83,8 @@ class EngineConfig:
     decode_cublaslt_min_rows: int | None = None  # CUDA only, used with cuda_graphs: decode graphs of at least
                                         # this many padded rows capture their GEMMs with cuBLASLt, not cuBLAS
                                         # (0: never). None: DEFAULT_DECODE_CUBLASLT_MIN_ROWS with CUDA graphs,
-                                        # else 0. On the H200 it replayed the 8B step at batch 64 3-5 % faster
-                                        # and batch 1 slower (README). Fast path only: prefill and verify keep
+                                        # else 0. On the H200 it replayed the 8B step at batch 64 2.8-5 %
+                                        # faster and batch 1 slower (README). Fast path only: prefill and verify keep
                                         # cuBLAS, so committed bits never change (rollbacks may).
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
@@ -132,9 +140,8 @@ class EngineConfig:
             fuller = self.dvr_decode_attention != "split"
             object.__setattr__(self, "dvr_lookahead", (self.group - 1) * self.window if fuller else self.window - 1)
         _check(self.dvr_lookahead >= 0, "dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
-        if self.decode_cublaslt_min_rows is None:
-            object.__setattr__(self, "decode_cublaslt_min_rows",
-                               DEFAULT_DECODE_CUBLASLT_MIN_ROWS if on_cuda and self.cuda_graphs else 0)
+        rows = resolve_decode_cublaslt_min_rows(self.decode_cublaslt_min_rows, on_cuda and self.cuda_graphs)
+        object.__setattr__(self, "decode_cublaslt_min_rows", rows)
         _check(isinstance(self.decode_cublaslt_min_rows, int) and self.decode_cublaslt_min_rows >= 0,
                "decode_cublaslt_min_rows", f"must be an int >= 0, got {self.decode_cublaslt_min_rows!r}")
         _check(self.decode_cublaslt_min_rows == 0 or on_cuda, "decode_cublaslt_min_rows",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS, EngineConfig
+from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS, EngineConfig, resolve_decode_cublaslt_min_rows
 
 
 def test_auto_backend_resolves_to_torch_on_cpu() -> None:
@@ -51,10 +51,14 @@ def test_dvr_decode_attention_auto_resolution() -> None:
 def test_decode_cublaslt_min_rows_is_cuda_only_and_checked() -> None:
     assert EngineConfig(device="cpu").decode_cublaslt_min_rows == 0
     # the default: cuBLASLt from DEFAULT_DECODE_CUBLASLT_MIN_ROWS rows when CUDA decode graphs are on, else never
-    assert EngineConfig(device="cuda", cuda_graphs=True).decode_cublaslt_min_rows == DEFAULT_DECODE_CUBLASLT_MIN_ROWS == 32
+    default = EngineConfig(device="cuda", cuda_graphs=True).decode_cublaslt_min_rows
+    assert default == DEFAULT_DECODE_CUBLASLT_MIN_ROWS == 32
     assert EngineConfig(device="cuda").decode_cublaslt_min_rows == 0
     assert EngineConfig(device="cuda", cuda_graphs=True, decode_cublaslt_min_rows=0).decode_cublaslt_min_rows == 0
     assert EngineConfig(device="cuda", cuda_graphs=True, decode_cublaslt_min_rows=32).decode_cublaslt_min_rows == 32
+    # the one rule the engine and the bench share
+    assert [resolve_decode_cublaslt_min_rows(v, g) for v, g in ((None, True), (None, False), (0, True), (8, False))] \
+        == [DEFAULT_DECODE_CUBLASLT_MIN_ROWS, 0, 0, 8]
     with pytest.raises(ValueError, match="decode_cublaslt_min_rows.*CUDA only"):
         EngineConfig(device="cpu", decode_cublaslt_min_rows=32)
     with pytest.raises(ValueError, match="decode_cublaslt_min_rows.*>= 0"):
