@@ -19,15 +19,17 @@ from pathlib import Path
 from typing import Any
 
 PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32", "mid_o_ptr": "*fp32",
-        "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
+        "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "slot_ptr": "*i64", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
 PAGED = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
              HAS_ROW_MASK=True, CHUNK=256, GROUP=4)
 SPLIT = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
-             DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4)
+             DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4, FUSE_ROPE=False)
 KERNELS = [  # (name, module, attribute, constexprs: the Llama-3.1-8B shapes, as the engine launches them)
     ("decode_split", "engine.attention.triton_paged_kernels", "_decode_split_kernel", SPLIT),
     ("decode_split_nomask", "engine.attention.triton_paged_kernels", "_decode_split_kernel",
      dict(SPLIT, HAS_ROW_MASK=False)),
+    ("decode_split_rope", "engine.attention.triton_paged_kernels", "_decode_split_kernel",  # RoPE + K/V store fused
+     dict(SPLIT, HAS_ROW_MASK=False, FUSE_ROPE=True)),
     ("prefill", "engine.attention.triton_paged_kernels", "_prefill_kernel", PAGED),
     ("canonical_decode", "engine.attention.triton_canonical_decode", "_canonical_decode_kernel", PAGED),
 ]

@@ -11,7 +11,12 @@ from engine.attention.metadata import AttentionMetadata
 class AttentionBackend(Protocol):
     """A backend may also set `kv_prewritten = True` (class attribute, optional; TritonPagedAttention does):
     its forward then takes k = v = None, meaning this pass's K/V are already in the cache at the plan's
-    `slot_mapping` (the model wrote them with the ops' rope_write_kv, see engine.kernels.ops.Ops)."""
+    `slot_mapping` (the model wrote them with the ops' rope_write_kv, see engine.kernels.ops.Ops).
+
+    And it may offer `forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, scale) -> out | None` (optional;
+    TritonPagedAttention does): forward for q and k BEFORE RoPE, the backend rotating them with the ops'
+    Triton RoPE arithmetic and writing K/V inside its own launch, for the passes where it can (None
+    otherwise, having touched nothing). The model offers it only where `ops.triton_rope(q)` holds."""
 
     name: str
 

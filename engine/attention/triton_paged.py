@@ -170,6 +170,33 @@ def decode_num_splits(max_kv_len: int, split_size: int = DECODE_SPLIT_SIZE) -> i
     return max(1, math.ceil(max_kv_len / split_size))
 
 
+@dataclass(frozen=True)
+class DecodeRope:
+    """What decode_attention needs to apply RoPE and write this step's K/V itself (its `rope` argument):
+    the raw k, v [R, Hkv, D] (strided views of the qkv output are fine, head_dim contiguous), cos_sin
+    [R, 2, D] (cos then sin of each row's position, in q's dtype) and slots Long/Int[R] (the plan's
+    slot_mapping: block * block_size + offset of each row's new key)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos_sin: torch.Tensor
+    slots: torch.Tensor
+
+    def check(self, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+        r, hq, d = q.shape
+        hkv = k_cache.shape[2]
+        if (tuple(self.k.shape) != (r, hkv, d) or tuple(self.v.shape) != (r, hkv, d)
+                or tuple(self.cos_sin.shape) != (r, 2, d) or tuple(self.slots.shape) != (r,) or d % 2):
+            raise ValueError(f"decode rope: k {tuple(self.k.shape)}, v {tuple(self.v.shape)}, cos_sin "
+                             f"{tuple(self.cos_sin.shape)}, slots {tuple(self.slots.shape)} must be [{r}, {hkv}, {d}] "
+                             f"twice, [{r}, 2, {d}] and [{r}] (head_dim even)")
+        if self.k.stride(2) != 1 or self.v.stride(2) != 1 or self.cos_sin.stride(2) != 1:
+            raise ValueError("decode rope: head_dim must be the contiguous dimension of k, v and cos_sin")
+        if self.slots.dtype not in (torch.int64, torch.int32) or self.k.dtype != q.dtype:
+            raise ValueError(f"decode rope: slots must be Long or Int (got {self.slots.dtype}), k must have q's "
+                             f"dtype {q.dtype} (got {self.k.dtype})")
+
+
 class DecodeWorkspace:
     """Preallocated split buffers, so a decode step (and its CUDA graph) allocates nothing."""
 
@@ -195,14 +222,23 @@ def decode_attention(
     split_size: int = DECODE_SPLIT_SIZE,
     skip_rows: torch.Tensor | None = None,  # Int32[R]: rows with nonzero are skipped, their `out` untouched
     merge: str = "fused",
+    rope: DecodeRope | None = None,
 ) -> torch.Tensor:
     """Split-KV decode attention with a fixed split size (module doc). Allocation-free with a workspace.
 
     merge="fused": the last split program of each (row, KV head) merges its heads (one launch);
-    "kernel": a separate merge kernel (two launches). The same arithmetic in the same order: the same bits."""
+    "kernel": a separate merge kernel (two launches). The same arithmetic in the same order: the same bits.
+    rope: q is this step's query BEFORE RoPE, and `rope` holds the step's raw K, V, cos/sin and slots: the
+    kernel rotates q and K with triton_fused's RoPE arithmetic and stores K and V at the slots before
+    reading the cache, in this one launch: the output and the caches get the bits of
+    triton_fused.rope_write_kv followed by this call without `rope` (not with skip_rows)."""
     triton, _, split_kernel, merge_kernel = _kernels()
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
+    if rope is not None:
+        if skip_rows is not None:
+            raise ValueError("decode_attention: rope cannot be fused with skip_rows (canonical rows read the cache)")
+        rope.check(q, k_cache)
     if split_size % DECODE_BLOCK_N:
         raise ValueError(f"split_size {split_size} must be a multiple of {DECODE_BLOCK_N}")
     block_size, num_kv_heads, group = _check_cache(q, k_cache, v_cache)
@@ -215,9 +251,13 @@ def decode_attention(
         raise ValueError(f"workspace for {workspace.mid_o.shape[0]} rows x {num_splits} splits cannot hold "
                          f"{num_rows} rows x {block_tables.shape[1] * block_size} keys")
     mid_o, mid_lse = workspace.mid_o, workspace.mid_lse
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_d = max(16, _next_pow2(head_dim))
     skip_rows = _row_mask(skip_rows, num_rows)
+    # without rope the RoPE arguments are unused: any tensor, zero strides
+    kr, vr, cs, slots = (rope.k, rope.v, rope.cos_sin, rope.slots) if rope is not None else (q, q, q, seq_lens)
+    rope_strides = ((kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1), cs.stride(0), cs.stride(1))
+                    if rope is not None else (0,) * 6)
     split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, mid_o, mid_lse,
         seq_lens, block_tables, skip_rows,
@@ -229,10 +269,12 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out, workspace.done, out.stride(0), out.stride(1), workspace.done.stride(0),
+        kr, vr, cs, slots, *rope_strides,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
         DOT_PRECISION=_dot_precision(q), HAS_ROW_MASK=skip_rows is not None,
         NUM_SPLITS=num_splits, FUSED_MERGE=merge == "fused", MERGE_PAD=_next_pow2(group),
+        FUSE_ROPE=rope is not None,
         num_warps=DECODE_NUM_WARPS, num_stages=DECODE_NUM_STAGES,
     )
     if merge == "fused":
@@ -356,6 +398,37 @@ class TritonPagedAttention:
             self._workspaces[key] = ws
         return ws
 
+    def _split_setup(self, q: torch.Tensor, k_cache: torch.Tensor, plan: TritonPlan
+                     ) -> tuple[int, DecodeWorkspace]:
+        split_size = self.split_size or decode_split_for_rows(q.shape[0])
+        splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
+        return split_size, self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
+
+    def forward_rope(
+        self,
+        q: torch.Tensor,        # [T, Hq, D], before RoPE (a strided view of the qkv output is fine)
+        k: torch.Tensor,        # [T, Hkv, D], before RoPE
+        v: torch.Tensor,
+        cos_sin: torch.Tensor,  # [T, 2, D]: cos, sin of each token's position, in q's dtype
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        plan: TritonPlan,
+        scale: float,
+    ) -> torch.Tensor | None:   # [T, Hq, D], or None
+        """`forward` of q and k before RoPE, for a pass where this backend can rotate them and write K/V
+        inside its attention launch: a DECODE step whose rows all take the split-KV kernel (no canonical
+        rows). The split kernel then applies triton_fused's RoPE arithmetic to q and K and stores K and V
+        at plan.slot_mapping itself (decode_attention's `rope`), one launch a layer fewer than
+        rope_write_kv + forward, with the same bits (output and caches). Any other pass: None, having
+        touched nothing (the caller ropes and writes as usual). The model calls it only where its ops'
+        RoPE is triton_fused's (Ops.triton_rope), so the arithmetic is the ops' own."""
+        if not plan.one_query_per_row or plan.canonical_rows is not None:
+            return None
+        split_size, ws = self._split_setup(q, k_cache, plan)
+        return decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale, workspace=ws,
+                                split_size=split_size, merge=self.merge,
+                                rope=DecodeRope(k, v, cos_sin, plan.slot_mapping))
+
     def forward(
         self,
         q: torch.Tensor,        # [T, Hq, D]
@@ -372,9 +445,7 @@ class TritonPagedAttention:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         if plan.one_query_per_row:
-            split_size = self.split_size or decode_split_for_rows(q.shape[0])
-            splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
-            ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
+            split_size, ws = self._split_setup(q, k_cache, plan)
             out = torch.empty_like(q)
             side = self._side_stream(q.device) if plan.canonical_rows is not None else None
             if side is not None:  # the canonical rows on a second stream, concurrent with the split rows

@@ -121,10 +121,12 @@ def _decode_split_kernel(
     stride_mo_t, stride_mo_h, stride_mo_s,
     stride_ml_t, stride_ml_h,
     o_ptr, cnt_ptr, stride_ot, stride_oh, stride_cnt,
+    kraw_ptr, vraw_ptr, cs_ptr, slot_ptr, stride_krt, stride_krh, stride_vrt, stride_vrh, stride_cst, stride_csw,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     HAS_ROW_MASK: tl.constexpr, NUM_SPLITS: tl.constexpr, FUSED_MERGE: tl.constexpr, MERGE_PAD: tl.constexpr,
+    FUSE_ROPE: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_ROW_MASK:  # a canonical row: the prefill kernel computes it instead
@@ -144,8 +146,39 @@ def _decode_split_kernel(
     h_valid = tl.arange(0, GROUP_PAD) < GROUP
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=h_valid[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [GP, BD]
+    q_mask = h_valid[:, None] & d_mask[None, :]
+    if FUSE_ROPE:
+        # q_ptr holds this step's q before RoPE: rotate it here with triton_fused._rope_kernel's arithmetic,
+        # lane by lane (lane i < D/2: x_i c_i - x_{i+D/2} s_i; lane i >= D/2: x_i c_i + x_{i-D/2} s_i),
+        # rounded to q's dtype, so q gets the bits of the rope launch this replaces
+        lo = offs_d < HEAD_DIM // 2
+        partner = tl.where(lo, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+        cos = tl.load(cs_ptr + r * stride_cst + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        sin = tl.load(cs_ptr + r * stride_cst + stride_csw + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+        q_row = q_ptr + r * stride_qt + heads[:, None] * stride_qh
+        qx = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        qp = tl.load(q_row + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+        q = tl.where(lo[None, :], qx * cos[None, :] - qp * sin[None, :], qx * cos[None, :] + qp * sin[None, :])
+        q = q.to(q_ptr.dtype.element_ty)
+        q = q.to(k_ptr.dtype.element_ty)  # [GP, BD]
+        if sp == tl.maximum(seq_len - 1, 0) // SPLIT:
+            # the program whose split holds this step's key rotates this KV head's K and stores it and V in
+            # the cache at the step's slot (the bits rope_write_kv stores), before any thread loads a tile:
+            # the CTA barrier after the stores makes them visible to every thread of the program
+            slot = tl.load(slot_ptr + r).to(tl.int64)
+            kx = tl.load(kraw_ptr + r * stride_krt + kvh * stride_krh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+            kp = tl.load(kraw_ptr + r * stride_krt + kvh * stride_krh + partner, mask=d_mask, other=0.0
+                         ).to(tl.float32)
+            ky = tl.where(lo, kx * cos - kp * sin, kx * cos + kp * sin).to(q_ptr.dtype.element_ty)
+            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+            tl.store(k_ptr + dst + offs_d, ky.to(kraw_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty), mask=d_mask)
+            vv = tl.load(vraw_ptr + r * stride_vrt + kvh * stride_vrh + offs_d, mask=d_mask, other=0.0)
+            vdst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kvh * stride_vh
+            tl.store(v_ptr + vdst + offs_d, vv.to(v_ptr.dtype.element_ty), mask=d_mask)
+        tl.debug_barrier()
+    else:
+        q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=q_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [GP, BD]
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)

@@ -61,6 +61,12 @@ class Ops(Protocol):
     capturable. It returns the rotated q, or None (having touched nothing) where this object has no fused
     path for these tensors. The model uses it only with an attention backend that declares
     `kv_prewritten = True` (it then calls `backend.forward(q, None, None, ...)`).
+
+        triton_rope(x) -> bool
+
+    Whether `rope` of tensors like x is triton_fused's kernel. Where it is, the model first offers a
+    backend with `forward_rope` (TritonPagedAttention) the step's q, k, v before RoPE: the backend may
+    repeat that kernel's arithmetic inside its attention launch and write K/V itself (decode steps).
     """
 
     name: str
@@ -121,6 +127,10 @@ class _FusedRowOps:
         """Elementwise multiplies and adds (torch, or one Triton launch): the same bits in any position."""
         fused = self._fused(q)
         return torch_rope(q, k, cos_sin) if fused is None else fused.rope(q, k, cos_sin)
+
+    def triton_rope(self, x: torch.Tensor) -> bool:
+        """Whether `rope` of tensors like x runs triton_fused's kernel (the optional Ops method, see Ops)."""
+        return self._fused(x) is not None
 
     def rope_write_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                       k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor | None:

@@ -92,6 +92,13 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        # RoPE inside the attention launch (a decode step of split-KV rows on the triton backend), when the
+        # ops' RoPE is the Triton kernel whose arithmetic the backend repeats there
+        forward_rope = getattr(backend, "forward_rope", None)
+        if forward_rope is not None and getattr(ops, "triton_rope", None) is not None and ops.triton_rope(q):
+            out = forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, self.scale)
+            if out is not None:
+                return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
         # RoPE that also writes K/V into the cache (one launch instead of rope + two index_copy_), when the
         # ops offer it for these tensors and the backend accepts K/V already written
         rope_write_kv = getattr(ops, "rope_write_kv", None) if getattr(backend, "kv_prewritten", False) else None

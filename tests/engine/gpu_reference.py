@@ -1,6 +1,8 @@
 """Float64 reference for paged attention and random paged-cache fixtures (shared by the gpu tests)."""
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 
@@ -51,3 +53,36 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             s = torch.einsum("hd,khd->hk", q[start + i], keys[: p + 1]) * scale
             out[start + i] = torch.einsum("hk,khd->hd", s.softmax(-1), vals[: p + 1])
     return out
+
+
+def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype: torch.dtype, lens: list[int],
+                             heads: tuple[int, int, int, int], splits: tuple[int, ...], seed: int = 0) -> None:
+    """decode_attention with `rope` (q and K rotated, K/V stored, inside the split kernel) against
+    triton_fused.rope_write_kv then decode_attention on the rotated q: the output and both caches bitwise
+    equal, per split size and merge. The caches start random at the written slots too (so a program that
+    read its key before storing it would differ), and the check asserts the store really changed them.
+    heads: (Hq, Hkv, D, block_size)."""
+    hq, hkv, d, bs = heads
+    case = make_paged_case(lens, [1] * len(lens), hq, hkv, d, bs, dtype, device, seed=seed, spare_blocks=1)
+    rows = len(lens)
+    g = torch.Generator(device="cpu").manual_seed(seed + 1)
+    qkv = torch.randn(rows, (hq + 2 * hkv) * d, generator=g).to(dtype).to(device)
+    q, k, v = (x.view(rows, -1, d) for x in qkv.split((hq * d, hkv * d, hkv * d), dim=-1))  # strided views
+    angles = torch.rand(rows, 1, d // 2, generator=g).double() * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).repeat(1, 1, 2).to(dtype).to(device)  # [R, 2, D]
+    seq_lens, tables = case["seq_lens"], case["block_tables"]
+    last = seq_lens.long() - 1
+    slots = tables.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    scale = d ** -0.5
+    for split in splits:
+        for merge in ("fused", "kernel"):
+            kc_ref, vc_ref = case["k_cache"].clone(), case["v_cache"].clone()
+            q_rot = tf.rope_write_kv(q, k, v, cos_sin, kc_ref, vc_ref, slots)
+            ref = tp.decode_attention(q_rot, kc_ref, vc_ref, seq_lens, tables, scale, split_size=split, merge=merge)
+            kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+            out = tp.decode_attention(q, kc, vc, seq_lens, tables, scale, split_size=split, merge=merge,
+                                      rope=tp.DecodeRope(k, v, cos_sin, slots))
+            assert torch.isfinite(ref).all()
+            assert torch.equal(out, ref), f"split {split} merge {merge}: output differs"
+            assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"split {split} merge {merge}: caches differ"
+    assert not torch.equal(kc_ref, case["k_cache"]) and not torch.equal(vc_ref, case["v_cache"])  # keys were written

@@ -175,16 +175,21 @@ def test_fused_kv_write_model_equals_backend_write_bitwise() -> None:
 
     class NotPrewritten(tp.TritonPagedAttention):
         kv_prewritten = False
+        forward_rope = None
+
+    class RopeOutsideAttention(tp.TritonPagedAttention):
+        forward_rope = None
 
     model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b", num_hidden_layers=2), torch.bfloat16, DEV,
                                   seed=1, attention_backend="triton")
     off = model.with_numerics(model.ops, NotPrewritten())
+    outside = model.with_numerics(model.ops, RopeOutsideAttention())
     prefill = [RowSpec([2, 3, 4], 0, 40), RowSpec([5, 6], 0, 17)]
     decode = [RowSpec([2, 3, 4], 40, 1), RowSpec([5, 6], 17, 1)]
     ids = torch.randint(0, model.arch.vocab_size, (57,), device=DEV, generator=_gen(7))
     step = torch.randint(0, model.arch.vocab_size, (2,), device=DEV, generator=_gen(8))
     logits, caches = [], []
-    for m in (model, off):
+    for m in (model, outside, off):
         kv = m.allocate_kv_cache(8, BS)
         with torch.inference_mode():
             a = m.compute_logits(m(ids, positions_of(prefill, DEV), build_metadata(PassKind.PREFILL, prefill, BS,
@@ -195,8 +200,25 @@ def test_fused_kv_write_model_equals_backend_write_bitwise() -> None:
         caches.append(torch.stack(kv.k + kv.v))
     assert torch.isfinite(logits[0]).all()
     assert torch.equal(logits[0], logits[1]) and torch.equal(caches[0], caches[1])
-    del model, off
+    assert torch.equal(logits[0], logits[2]) and torch.equal(caches[0], caches[2])
+    del model, off, outside
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(dtype: torch.dtype) -> None:
+    """Compiled, Llama-8B heads: RoPE and the K/V store inside the split kernel give bitwise the output and
+    caches of rope_write_kv then decode_attention, for every split size the backend uses and both merges,
+    over rows of 1 to 5000 keys (a program that read its new key before the store would show here), five
+    random cases."""
+    from engine.attention import triton_paged as tp
+    from engine.kernels import triton_fused as tf
+    from tests.engine.gpu_reference import check_decode_rope_fusion
+
+    for seed in range(5):
+        lens = torch.randint(1, 5000, (40,), generator=torch.Generator().manual_seed(seed)).tolist()
+        check_decode_rope_fusion(tf, tp, DEV, dtype, lens + [512, 513, 1, 64, 65], (32, 8, 128, BS),
+                                 (64, 128, 256, 512), seed=seed)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -241,12 +241,16 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
 
     class NotPrewritten(tp.TritonPagedAttention):
         kv_prewritten = False
+        forward_rope = None
 
+    class RopeOutsideAttention(tp.TritonPagedAttention):
+        forward_rope = None
 
     model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=3)
     on = model.with_numerics(_InterpretedFusedOps(), tp.TritonPagedAttention())
+    outside = model.with_numerics(_InterpretedFusedOps(), RopeOutsideAttention())
     off = model.with_numerics(_InterpretedFusedOps(), NotPrewritten())
-    counts = {"rope_write_kv": 0, "write_kv": 0}
+    counts = {"rope_write_kv": 0, "write_kv": 0, "decode_attention_rope": 0}
 
     def counted(name: str, fn: Callable[..., object]) -> Callable[..., object]:
         def call(*args: object) -> object:
@@ -257,23 +261,60 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
 
     monkeypatch.setattr(tf, "rope_write_kv", counted("rope_write_kv", tf.rope_write_kv))
     monkeypatch.setattr(tp, "write_kv", counted("write_kv", tp.write_kv))
+    plain_decode = tp.decode_attention
+
+    def decode_attention(*args: object, **kw: object) -> object:
+        counts["decode_attention_rope"] += kw.get("rope") is not None
+        return plain_decode(*args, **kw)
+
+    monkeypatch.setattr(tp, "decode_attention", decode_attention)
     tables = [[2, 3], [4, 5]]
     prefill = [RowSpec(tables[0], 0, 19), RowSpec(tables[1], 0, 7)]
     decode = [RowSpec(tables[0], 19, 1), RowSpec(tables[1], 7, 1)]
     ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(2))
     step = torch.tensor([11, 12])
     logits, caches = [], []
-    for m in (on, off):
+    for m in (on, outside, off):
         kv = m.allocate_kv_cache(6, 16)
         out = [m.compute_logits(m(ids, positions_of(prefill), build_metadata(PassKind.PREFILL, prefill, 16), kv))]
         out.append(m.compute_logits(m(step, positions_of(decode), build_metadata(PassKind.DECODE, decode, 16), kv)))
         logits.append(torch.cat(out))
         caches.append(torch.stack(kv.k + kv.v))
     layers = model.arch.num_layers
-    assert counts == {"rope_write_kv": 2 * layers, "write_kv": 2 * layers}  # on: fused only; off: write_kv only
+    # on: prefill rope_write_kv, decode RoPE in the split kernel; outside: rope_write_kv twice; off: write_kv
+    assert counts == {"rope_write_kv": 3 * layers, "write_kv": 2 * layers, "decode_attention_rope": layers}
     assert torch.isfinite(logits[0]).all() and caches[0].abs().sum() > 0
-    assert torch.equal(logits[0], logits[1])
-    assert torch.equal(caches[0], caches[1])
+    assert torch.equal(logits[0], logits[1]) and torch.equal(logits[0], logits[2])
+    assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log2(0) of an empty split, masked after
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: both sides round in the interpreter
+def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(tf: ModuleType, paged_loops: None,
+                                                                     dtype: torch.dtype) -> None:
+    """RoPE and the K/V store inside the split-KV kernel (decode_attention's `rope`) give the output and
+    caches of rope_write_kv then decode_attention, bitwise: rows of 1 key to 3 splits, GQA 4, both merges."""
+    from engine.attention import triton_paged as tp
+    from tests.engine.gpu_reference import check_decode_rope_fusion
+
+    check_decode_rope_fusion(tf, tp, "cpu", dtype, [1, 70, 9, 130, 64, 65], (8, 2, 64, 16), (64, 128), seed=4)
+
+
+def test_decode_rope_rejects_skip_rows_and_misshaped_inputs(paged_loops: None) -> None:
+    from engine.attention import triton_paged as tp
+    from tests.engine.gpu_reference import make_paged_case
+
+    case = make_paged_case([5, 9], [1, 1], 8, 2, 64, 16, torch.float32, "cpu")
+    q = case["q"]
+    k = torch.zeros(2, 2, 64)
+    rope = tp.DecodeRope(k, k, torch.zeros(2, 2, 64), torch.tensor([4, 24]))
+    args = (q, case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"], 0.125)
+    with pytest.raises(ValueError, match="skip_rows"):
+        tp.decode_attention(*args, rope=rope, skip_rows=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="cos_sin"):
+        tp.decode_attention(*args, rope=tp.DecodeRope(k, k, torch.zeros(2, 64), rope.slots))
+    with pytest.raises(ValueError, match="slots"):
+        tp.decode_attention(*args, rope=tp.DecodeRope(k, k, rope.cos_sin, rope.slots.float()))
 
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log2(0) of an empty split, masked after

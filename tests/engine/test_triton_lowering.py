@@ -33,14 +33,15 @@ _lower = _load_kernel_ir().lower  # bench/kernel_ir.py's lowering (Triton IR, or
 
 
 @pytest.mark.parametrize("fused_merge", [True, False])
+@pytest.mark.parametrize("fuse_rope", [True, False])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (3, 64), (1, 64)])
-def test_decode_split_kernel_lowers(fused_merge: bool, group: int, head_dim: int) -> None:
+def test_decode_split_kernel_lowers(fused_merge: bool, fuse_rope: bool, group: int, head_dim: int) -> None:
     from engine.attention import triton_paged_kernels as k
 
     consts = dict(BLOCK_SIZE=16, GROUP=group, GROUP_PAD=16, HEAD_DIM=head_dim, BLOCK_D=head_dim, BLOCK_N=64,
-                  SPLIT=512, DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=fused_merge,
-                  MERGE_PAD=triton.next_power_of_2(group))
-    assert "tt.func" in _lower(k._decode_split_kernel, consts)
+                  SPLIT=512, DOT_PRECISION=None, HAS_ROW_MASK=not fuse_rope, NUM_SPLITS=8, FUSED_MERGE=fused_merge,
+                  MERGE_PAD=triton.next_power_of_2(group), FUSE_ROPE=fuse_rope)
+    assert "tt.func" in _lower(k._decode_split_kernel, consts, {"slot_ptr": "*i64"})
 
 
 @pytest.mark.parametrize("row_mask", [True, False])
@@ -109,9 +110,10 @@ def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
     paged = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
                  HAS_ROW_MASK=True, CHUNK=256, GROUP=4)
     split = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
-                 DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4)
+                 DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4, FUSE_ROPE=False)
     for kernel, consts in ((k._prefill_kernel, paged), (cd._canonical_decode_kernel, paged),
-                           (k._decode_split_kernel, split)):
+                           (k._decode_split_kernel, split),
+                           (k._decode_split_kernel, dict(split, HAS_ROW_MASK=False, FUSE_ROPE=True))):
         assert "define ptx_kernel void" in _lower(kernel, consts, llvm=True)
 
 
@@ -120,6 +122,7 @@ def test_kernel_ir_script_hashes_every_attention_kernel_of_this_checkout() -> No
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_ir.py")], capture_output=True, text=True,
                          timeout=600, check=True).stdout.split("\n")
     hashes = dict(line.split() for line in out if line.strip())
-    assert set(hashes) == {"decode_split", "decode_split_nomask", "prefill", "canonical_decode"}, out
+    assert set(hashes) == {"decode_split", "decode_split_nomask", "decode_split_rope", "prefill",
+                           "canonical_decode"}, out
     assert all(len(h) == 16 and h != "absent" for h in hashes.values()), hashes
-    assert hashes["decode_split"] != hashes["decode_split_nomask"]
+    assert hashes["decode_split"] != hashes["decode_split_nomask"] != hashes["decode_split_rope"]
