@@ -73,6 +73,15 @@ class BatchInvariantAttention:
         rows, positions = query_layout(meta.seq_lens, None if decode else meta.query_start_loc, num_tokens)
         return BatchInvariantPlan(meta.slot_mapping.to(torch.long), meta.block_tables, rows, positions)
 
+    def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object, scale: float) -> torch.Tensor | None:
+        """The CUDA backend's forward_rope (RoPE and the K/V store inside the canonical decode kernel, where
+        triton_paged.FUSE_ROPE_CANONICAL allows it); None on the tiles path."""
+        if isinstance(plan, BatchInvariantPlan):
+            return None
+        assert self._triton is not None
+        return self._triton.forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, scale)
+
     def forward(
         self,
         q: torch.Tensor,  # [T, Hq, D]

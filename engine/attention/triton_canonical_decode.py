@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.attention import triton_paged as tp
-from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk
+from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk, rope_lanes, rope_q, rope_store_kv
 
 _CHECKED: dict[tuple[str, torch.dtype], bool] = {}
 
@@ -37,9 +37,10 @@ def _canonical_decode_kernel(
     stride_ot, stride_oh,
     stride_bt, table_cols,
     stride_ml_t, stride_ml_h, stride_ma_t, stride_ma_h, stride_ma_c, stride_cnt,
+    kraw_ptr, vraw_ptr, cs_ptr, slot_ptr, stride_krt, stride_krh, stride_vrt, stride_vrh, stride_cst, stride_csw,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr, FUSE_ROPE: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_ROW_MASK:  # only flagged rows run; the others keep the split-KV output
@@ -56,8 +57,19 @@ def _canonical_decode_kernel(
     heads = kvh * GROUP + mrow
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
-                mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
+    if FUSE_ROPE:  # q before RoPE: rotate it here, and store this step's K/V (as the split kernel's FUSE_ROPE)
+        lo, partner, cos, sin = rope_lanes(cs_ptr, r, stride_cst, stride_csw, offs_d, d_mask, HEAD_DIM)
+        q = rope_q(q_ptr + r * stride_qt + heads[:, None] * stride_qh, live[:, None] & d_mask[None, :], lo, partner,
+                   cos, sin, offs_d)
+        q = q.to(k_ptr.dtype.element_ty)  # [BM, BD]
+        if c == (seq_len - 1) // CHUNK:  # the program whose chunk holds this step's key
+            rope_store_kv(kraw_ptr, vraw_ptr, r, stride_krt, stride_krh, stride_vrt, stride_vrh, lo, partner, cos, sin,
+                          slot_ptr, k_ptr, v_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          offs_d, d_mask, BLOCK_SIZE)
+        tl.debug_barrier()  # the stores before any thread's tile loads
+    else:
+        q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
     # the prefill kernel's chunk loop body, with every live row's query at position `pos`
     tiles_per_chunk: tl.constexpr = CHUNK // BLOCK_N
@@ -164,15 +176,22 @@ def canonical_decode_attention(
     scale: float,
     out: torch.Tensor | None = None,
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
+    rope: tp.DecodeRope | None = None,
 ) -> torch.Tensor:
     """The prefill kernel's output for each row's one query: one program per (row, KV head, key chunk),
-    the chunks merged in order by the last of them. Allocation-free after the first call per shape."""
+    the chunks merged in order by the last of them. Allocation-free after the first call per shape.
+    rope: q is before RoPE, and the kernel rotates q and K and stores K/V at rope.slots first, as
+    triton_paged.decode_attention's `rope` (the bits of rope_write_kv then this call); rows `only_rows`
+    leaves out get nothing written."""
     block_size, num_kv_heads, group = tp._check_cache(q, k_cache, v_cache)
+    if rope is not None:
+        rope.check(q, k_cache)
     if group > tp.PREFILL_BLOCK_M:
         raise ValueError(f"GQA group {group} does not fit a {tp.PREFILL_BLOCK_M}-row tile")
     num_rows, num_heads, head_dim = q.shape
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     only_rows = tp._row_mask(only_rows, num_rows)
+    rope_args = tp.rope_launch_args(rope, q, seq_lens)
     num_chunks = max(1, -(-block_tables.shape[1] * block_size // tp.PREFILL_CHUNK))  # static: the table width
     ws = workspace(num_rows, num_heads, num_kv_heads, num_chunks, head_dim, q.device)
     _canonical_decode_kernel[(num_rows, num_kv_heads, num_chunks)](
@@ -187,9 +206,10 @@ def canonical_decode_attention(
         block_tables.stride(0), block_tables.shape[1],
         ws.mid_m.stride(0), ws.mid_m.stride(1), ws.mid_acc.stride(0), ws.mid_acc.stride(1), ws.mid_acc.stride(2),
         ws.cnt.stride(0),
+        *rope_args,
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp._next_pow2(head_dim)),
         BLOCK_M=tp.PREFILL_BLOCK_M, BLOCK_N=tp.PREFILL_BLOCK_N, DOT_PRECISION=tp._dot_precision(q),
-        HAS_ROW_MASK=only_rows is not None, CHUNK=tp.PREFILL_CHUNK,
+        HAS_ROW_MASK=only_rows is not None, CHUNK=tp.PREFILL_CHUNK, FUSE_ROPE=rope is not None,
         num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
     )
     return out

@@ -73,6 +73,12 @@ DECODE_NUM_STAGES = 2
 DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
 # the backend's default split size by padded batch (decode_split_for_rows): (at most this many rows, split)
 DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
+# RoPE and the K/V store inside the canonical (GQA-packed) decode kernel too, for decode steps with canonical
+# rows (DVR) and every decode step of mode="batch_invariant" (forward_rope). Off: written in the ninth session
+# and tested on the CPU (interpreter, bitwise against rope_write_kv + the kernel) and lowered for sm_90, but
+# not yet run on the H200; the gpu tests run it on (monkeypatched), and it is switched on once they pass there.
+# With canonical rows the committed bits depend on it only through the K/V it stores, which the tests compare.
+FUSE_ROPE_CANONICAL = False
 _LOG2E = 1.4426950408889634
 
 
@@ -197,6 +203,15 @@ class DecodeRope:
                              f"dtype {q.dtype} (got {self.k.dtype})")
 
 
+def rope_launch_args(rope: DecodeRope | None, q: torch.Tensor, seq_lens: torch.Tensor) -> tuple:
+    """The RoPE arguments of the decode kernels (kraw, vraw, cos_sin, slots and their six strides); without
+    rope they are unused: any tensors, zero strides."""
+    if rope is None:
+        return (q, q, q, seq_lens) + (0,) * 6
+    kr, vr, cs = rope.k, rope.v, rope.cos_sin
+    return (kr, vr, cs, rope.slots, kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1), cs.stride(0), cs.stride(1))
+
+
 class DecodeWorkspace:
     """Preallocated split buffers, so a decode step (and its CUDA graph) allocates nothing."""
 
@@ -231,13 +246,12 @@ def decode_attention(
     rope: q is this step's query BEFORE RoPE, and `rope` holds the step's raw K, V, cos/sin and slots: the
     kernel rotates q and K with triton_fused's RoPE arithmetic and stores K and V at the slots before
     reading the cache, in this one launch: the output and the caches get the bits of
-    triton_fused.rope_write_kv followed by this call without `rope` (not with skip_rows)."""
+    triton_fused.rope_write_kv followed by this call without `rope`. Rows skip_rows leaves out get nothing
+    written (the canonical kernel's `rope` writes theirs)."""
     triton, _, split_kernel, merge_kernel = _kernels()
     if merge not in ("fused", "kernel"):
         raise ValueError(f"merge must be 'fused' or 'kernel', got {merge!r}")
     if rope is not None:
-        if skip_rows is not None:
-            raise ValueError("decode_attention: rope cannot be fused with skip_rows (canonical rows read the cache)")
         rope.check(q, k_cache)
     if split_size % DECODE_BLOCK_N:
         raise ValueError(f"split_size {split_size} must be a multiple of {DECODE_BLOCK_N}")
@@ -254,10 +268,6 @@ def decode_attention(
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
     block_d = max(16, _next_pow2(head_dim))
     skip_rows = _row_mask(skip_rows, num_rows)
-    # without rope the RoPE arguments are unused: any tensor, zero strides
-    kr, vr, cs, slots = (rope.k, rope.v, rope.cos_sin, rope.slots) if rope is not None else (q, q, q, seq_lens)
-    rope_strides = ((kr.stride(0), kr.stride(1), vr.stride(0), vr.stride(1), cs.stride(0), cs.stride(1))
-                    if rope is not None else (0,) * 6)
     split_kernel[(num_rows, num_kv_heads, num_splits)](
         q, k_cache, v_cache, mid_o, mid_lse,
         seq_lens, block_tables, skip_rows,
@@ -269,7 +279,7 @@ def decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         out, workspace.done, out.stride(0), out.stride(1), workspace.done.stride(0),
-        kr, vr, cs, slots, *rope_strides,
+        *rope_launch_args(rope, q, seq_lens),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=max(16, _next_pow2(group)),
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=DECODE_BLOCK_N, SPLIT=split_size,
         DOT_PRECISION=_dot_precision(q), HAS_ROW_MASK=skip_rows is not None,
@@ -291,14 +301,16 @@ def decode_attention(
 
 
 def _canonical_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
-                      scale: float, out: torch.Tensor | None, only_rows: torch.Tensor | None) -> torch.Tensor:
+                      scale: float, out: torch.Tensor | None, only_rows: torch.Tensor | None,
+                      rope: DecodeRope | None = None) -> torch.Tensor:
     """One-query rows with the prefill kernel's bits: its GQA-packed twin where that is checked to give
-    them on this device (engine.attention.triton_canonical_decode), the prefill kernel itself otherwise."""
+    them on this device (engine.attention.triton_canonical_decode), the prefill kernel itself otherwise.
+    `rope` (q before RoPE; the caller has checked use_packed) goes to the packed kernel."""
     from engine.attention import triton_canonical_decode as packed
 
-    if packed.use_packed(q, k_cache):
+    if rope is not None or packed.use_packed(q, k_cache):
         return packed.canonical_decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                                 out=out, only_rows=only_rows)
+                                                 out=out, only_rows=only_rows, rope=rope)
     return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                              scale, 1, out=out, only_rows=only_rows)
 
@@ -422,12 +434,40 @@ class TritonPagedAttention:
         rope_write_kv + forward, with the same bits (output and caches). Any other pass: None, having
         touched nothing (the caller ropes and writes as usual). The model calls it only where its ops'
         RoPE is triton_fused's (Ops.triton_rope), so the arithmetic is the ops' own."""
-        if not plan.one_query_per_row or plan.canonical_rows is not None:
+        rope = DecodeRope(k, v, cos_sin, plan.slot_mapping)
+        if plan.one_query_per_row and plan.canonical_rows is None:
+            return self._split_decode(q, k_cache, v_cache, plan, scale, rope)
+        if not FUSE_ROPE_CANONICAL or not (plan.one_query_per_row or plan.canonical_decode):
             return None
+        from engine.attention import triton_canonical_decode as packed
+
+        if not packed.use_packed(q, k_cache):  # the prefill kernel serves these rows: it reads K/V written
+            return None
+        if plan.canonical_decode:
+            return packed.canonical_decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                                                     rope=rope)
+        return self._split_decode(q, k_cache, v_cache, plan, scale, rope)
+
+    def _split_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
+                      scale: float, rope: DecodeRope | None) -> torch.Tensor:
+        """A DECODE step of one query per row: the split-KV kernel, and the canonical kernel for the rows
+        plan.canonical_rows flags (on a side stream where there is one). With `rope`, q is before RoPE and
+        each kernel rotates and stores its own rows' K/V (the canonical rows through the packed kernel)."""
         split_size, ws = self._split_setup(q, k_cache, plan)
-        return decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale, workspace=ws,
-                                split_size=split_size, merge=self.merge,
-                                rope=DecodeRope(k, v, cos_sin, plan.slot_mapping))
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        side = self._side_stream(q.device) if plan.canonical_rows is not None else None
+        if side is not None:  # the canonical rows on a second stream, concurrent with the split rows
+            side.wait_stream(torch.cuda.current_stream(q.device))
+            with torch.cuda.stream(side):
+                _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows, rope)
+        decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                         workspace=ws, out=out, split_size=split_size, skip_rows=plan.canonical_rows,
+                         merge=self.merge, rope=rope)
+        if side is not None:
+            torch.cuda.current_stream(q.device).wait_stream(side)
+        elif plan.canonical_rows is not None:
+            _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows, rope)
+        return out
 
     def forward(
         self,
@@ -445,21 +485,7 @@ class TritonPagedAttention:
             write_kv(k, v, k_cache, v_cache, plan.slot_mapping)
         q = q.contiguous()
         if plan.one_query_per_row:
-            split_size, ws = self._split_setup(q, k_cache, plan)
-            out = torch.empty_like(q)
-            side = self._side_stream(q.device) if plan.canonical_rows is not None else None
-            if side is not None:  # the canonical rows on a second stream, concurrent with the split rows
-                side.wait_stream(torch.cuda.current_stream(q.device))
-                with torch.cuda.stream(side):
-                    _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
-            decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                             workspace=ws, out=out, split_size=split_size, skip_rows=plan.canonical_rows,
-                             merge=self.merge)
-            if side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(side)
-            elif plan.canonical_rows is not None:
-                _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows)
-            return out
+            return self._split_decode(q, k_cache, v_cache, plan, scale, None)
         if plan.canonical_decode:
             return _canonical_decode(q, k_cache, v_cache, plan, scale, None, None)
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,

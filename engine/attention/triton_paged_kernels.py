@@ -24,6 +24,47 @@ def load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, 
 
 
 @triton.jit
+def rope_lanes(cs_ptr, t, stride_cst, stride_csw, offs_d, d_mask, HEAD_DIM: tl.constexpr):
+    """What RoPE needs per lane of token t: (lane < D/2, its partner lane, cos, sin in fp32)."""
+    lo = offs_d < HEAD_DIM // 2
+    partner = tl.where(lo, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+    cos = tl.load(cs_ptr + t * stride_cst + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    sin = tl.load(cs_ptr + t * stride_cst + stride_csw + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    return lo, partner, cos, sin
+
+
+@triton.jit
+def rope_q(q_rows, q_mask, lo, partner, cos, sin, offs_d):
+    """One token's query heads [rows, BD] (pointers `q_rows + lane`, before RoPE) rotated with
+    triton_fused._rope_kernel's arithmetic lane by lane (lane i < D/2: x_i c_i - x_{i+D/2} s_i; lane
+    i >= D/2: x_i c_i + x_{i-D/2} s_i, in fp32), rounded to q's dtype: the bits of the rope launch."""
+    qx = tl.load(q_rows + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    qp = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
+    q = tl.where(lo[None, :], qx * cos[None, :] - qp * sin[None, :], qx * cos[None, :] + qp * sin[None, :])
+    return q.to(q_rows.dtype.element_ty)
+
+
+@triton.jit
+def rope_store_kv(kraw_ptr, vraw_ptr, t, stride_krt, stride_krh, stride_vrt, stride_vrh, lo, partner, cos, sin,
+                  slot_ptr, k_ptr, v_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                  offs_d, d_mask, BLOCK_SIZE: tl.constexpr):
+    """Token t's KV head kvh: K (before RoPE) rotated as rope_q, and V, stored in the paged caches at the
+    token's slot (slot_ptr[t] = block * BLOCK_SIZE + offset): the bits triton_fused.rope_write_kv stores.
+    The caller passes a CTA barrier before any thread loads a tile that may hold the slot, which makes
+    these stores visible to every thread of the program."""
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    k_row = kraw_ptr + t * stride_krt + kvh * stride_krh
+    kx = tl.load(k_row + offs_d, mask=d_mask, other=0.0).to(tl.float32)
+    kp = tl.load(k_row + partner, mask=d_mask, other=0.0).to(tl.float32)
+    ky = tl.where(lo, kx * cos - kp * sin, kx * cos + kp * sin).to(kraw_ptr.dtype.element_ty)
+    dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + kvh * stride_kh
+    tl.store(k_ptr + dst + offs_d, ky.to(k_ptr.dtype.element_ty), mask=d_mask)
+    vv = tl.load(vraw_ptr + t * stride_vrt + kvh * stride_vrh + offs_d, mask=d_mask, other=0.0)
+    vdst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kvh * stride_vh
+    tl.store(v_ptr + vdst + offs_d, vv.to(v_ptr.dtype.element_ty), mask=d_mask)
+
+
+@triton.jit
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     qsl_ptr, seq_lens_ptr, bt_ptr, row_mask_ptr,
@@ -148,34 +189,14 @@ def _decode_split_kernel(
     d_mask = offs_d < HEAD_DIM
     q_mask = h_valid[:, None] & d_mask[None, :]
     if FUSE_ROPE:
-        # q_ptr holds this step's q before RoPE: rotate it here with triton_fused._rope_kernel's arithmetic,
-        # lane by lane (lane i < D/2: x_i c_i - x_{i+D/2} s_i; lane i >= D/2: x_i c_i + x_{i-D/2} s_i),
-        # rounded to q's dtype, so q gets the bits of the rope launch this replaces
-        lo = offs_d < HEAD_DIM // 2
-        partner = tl.where(lo, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-        cos = tl.load(cs_ptr + r * stride_cst + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        sin = tl.load(cs_ptr + r * stride_cst + stride_csw + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-        q_row = q_ptr + r * stride_qt + heads[:, None] * stride_qh
-        qx = tl.load(q_row + offs_d[None, :], mask=q_mask, other=0.0).to(tl.float32)
-        qp = tl.load(q_row + partner[None, :], mask=q_mask, other=0.0).to(tl.float32)
-        q = tl.where(lo[None, :], qx * cos[None, :] - qp * sin[None, :], qx * cos[None, :] + qp * sin[None, :])
-        q = q.to(q_ptr.dtype.element_ty)
+        lo, partner, cos, sin = rope_lanes(cs_ptr, r, stride_cst, stride_csw, offs_d, d_mask, HEAD_DIM)
+        q = rope_q(q_ptr + r * stride_qt + heads[:, None] * stride_qh, q_mask, lo, partner, cos, sin, offs_d)
         q = q.to(k_ptr.dtype.element_ty)  # [GP, BD]
-        if sp == tl.maximum(seq_len - 1, 0) // SPLIT:
-            # the program whose split holds this step's key rotates this KV head's K and stores it and V in
-            # the cache at the step's slot (the bits rope_write_kv stores), before any thread loads a tile:
-            # the CTA barrier after the stores makes them visible to every thread of the program
-            slot = tl.load(slot_ptr + r).to(tl.int64)
-            kx = tl.load(kraw_ptr + r * stride_krt + kvh * stride_krh + offs_d, mask=d_mask, other=0.0).to(tl.float32)
-            kp = tl.load(kraw_ptr + r * stride_krt + kvh * stride_krh + partner, mask=d_mask, other=0.0
-                         ).to(tl.float32)
-            ky = tl.where(lo, kx * cos - kp * sin, kx * cos + kp * sin).to(q_ptr.dtype.element_ty)
-            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_ks + kvh * stride_kh
-            tl.store(k_ptr + dst + offs_d, ky.to(kraw_ptr.dtype.element_ty).to(k_ptr.dtype.element_ty), mask=d_mask)
-            vv = tl.load(vraw_ptr + r * stride_vrt + kvh * stride_vrh + offs_d, mask=d_mask, other=0.0)
-            vdst = (slot // BLOCK_SIZE) * stride_vb + (slot % BLOCK_SIZE) * stride_vs + kvh * stride_vh
-            tl.store(v_ptr + vdst + offs_d, vv.to(v_ptr.dtype.element_ty), mask=d_mask)
-        tl.debug_barrier()
+        if sp == tl.maximum(seq_len - 1, 0) // SPLIT:  # the program whose split holds this step's key
+            rope_store_kv(kraw_ptr, vraw_ptr, r, stride_krt, stride_krh, stride_vrt, stride_vrh, lo, partner, cos, sin,
+                          slot_ptr, k_ptr, v_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                          offs_d, d_mask, BLOCK_SIZE)
+        tl.debug_barrier()  # the stores before any thread's tile loads (see rope_store_kv)
     else:
         q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=q_mask, other=0.0).to(k_ptr.dtype.element_ty)  # [GP, BD]

@@ -56,12 +56,18 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype: torch.dtype, lens: list[int],
-                             heads: tuple[int, int, int, int], splits: tuple[int, ...], seed: int = 0) -> None:
+                             heads: tuple[int, int, int, int], splits: tuple[int, ...], seed: int = 0,
+                             canonical: list[int] | None = None) -> None:
     """decode_attention with `rope` (q and K rotated, K/V stored, inside the split kernel) against
     triton_fused.rope_write_kv then decode_attention on the rotated q: the output and both caches bitwise
     equal, per split size and merge. The caches start random at the written slots too (so a program that
     read its key before storing it would differ), and the check asserts the store really changed them.
+    canonical (0/1 per row): also the mixed step (the split kernel skipping the flagged rows, the packed
+    canonical kernel with `rope` taking them, each storing its own rows' K/V) and the all-canonical step
+    (the packed kernel alone), against rope_write_kv then the same kernels on the rotated q.
     heads: (Hq, Hkv, D, block_size)."""
+    from engine.attention import triton_canonical_decode as packed
+
     hq, hkv, d, bs = heads
     case = make_paged_case(lens, [1] * len(lens), hq, hkv, d, bs, dtype, device, seed=seed, spare_blocks=1)
     rows = len(lens)
@@ -74,15 +80,36 @@ def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype:
     last = seq_lens.long() - 1
     slots = tables.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
     scale = d ** -0.5
-    for split in splits:
-        for merge in ("fused", "kernel"):
-            kc_ref, vc_ref = case["k_cache"].clone(), case["v_cache"].clone()
-            q_rot = tf.rope_write_kv(q, k, v, cos_sin, kc_ref, vc_ref, slots)
-            ref = tp.decode_attention(q_rot, kc_ref, vc_ref, seq_lens, tables, scale, split_size=split, merge=merge)
-            kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
-            out = tp.decode_attention(q, kc, vc, seq_lens, tables, scale, split_size=split, merge=merge,
-                                      rope=tp.DecodeRope(k, v, cos_sin, slots))
-            assert torch.isfinite(ref).all()
-            assert torch.equal(out, ref), f"split {split} merge {merge}: output differs"
-            assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"split {split} merge {merge}: caches differ"
+    rope = tp.DecodeRope(k, v, cos_sin, slots)
+
+    def split(qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, size: int, merge: str, mask: torch.Tensor | None,
+              fused: bool) -> torch.Tensor:
+        out = torch.full_like(case["q"], float("nan"))
+        tp.decode_attention(qq, kc, vc, seq_lens, tables, scale, split_size=size, merge=merge, out=out,
+                            skip_rows=mask, rope=rope if fused else None)
+        if mask is not None:
+            packed.canonical_decode_attention(qq, kc, vc, seq_lens, tables, scale, out=out, only_rows=mask,
+                                              rope=rope if fused else None)
+        return out
+
+    def whole(qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, size: int, merge: str, mask: None,
+              fused: bool) -> torch.Tensor:
+        return packed.canonical_decode_attention(qq, kc, vc, seq_lens, tables, scale, rope=rope if fused else None)
+
+    masks: list[torch.Tensor | None] = [None]
+    if canonical is not None:
+        masks.append(torch.tensor(canonical, dtype=torch.int32, device=device))
+    runs = [(split, size, merge, mask) for size in splits for merge in ("fused", "kernel") for mask in masks]
+    if canonical is not None:
+        runs.append((whole, 0, "", None))
+    for step, size, merge, mask in runs:
+        name = f"{step.__name__} split {size} merge {merge} mask {mask is not None}"
+        kc_ref, vc_ref = case["k_cache"].clone(), case["v_cache"].clone()
+        q_rot = tf.rope_write_kv(q, k, v, cos_sin, kc_ref, vc_ref, slots)
+        ref = step(q_rot, kc_ref, vc_ref, size, merge, mask, False)
+        kc, vc = case["k_cache"].clone(), case["v_cache"].clone()
+        out = step(q, kc, vc, size, merge, mask, True)
+        assert torch.isfinite(ref).all(), name
+        assert torch.equal(out, ref), f"{name}: output differs"
+        assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref), f"{name}: caches differ"
     assert not torch.equal(kc_ref, case["k_cache"]) and not torch.equal(vc_ref, case["v_cache"])  # keys were written

@@ -222,6 +222,23 @@ def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(dtype: tor
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_rope_in_canonical_kernel_equals_rope_write_kv_then_decode(dtype: torch.dtype) -> None:
+    """Compiled, Llama-8B heads: the packed canonical kernel with `rope`, in a step with canonical rows beside
+    split rows (each kernel storing its own rows' K/V, the canonical ones on the same stream here) and in an
+    all-canonical step, gives bitwise the output and caches of rope_write_kv then the kernels (rows of 1 to
+    5000 keys, so 1-20 chunks merged by their last program), three random cases."""
+    from engine.attention import triton_paged as tp
+    from engine.kernels import triton_fused as tf
+    from tests.engine.gpu_reference import check_decode_rope_fusion
+
+    for seed in range(3):
+        gen = torch.Generator().manual_seed(seed + 10)
+        lens = torch.randint(1, 5000, (40,), generator=gen).tolist() + [256, 257, 1, 64, 65]
+        mask = (torch.rand(len(lens), generator=gen) < 0.4).int().tolist()
+        check_decode_rope_fusion(tf, tp, DEV, dtype, lens, (32, 8, 128, BS), (256, 512), seed=seed, canonical=mask)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_fused_merge_equals_merge_kernel(dtype: torch.dtype) -> None:
     """Compiled: the split kernel's fused merge (atomic counter, last program merges) gives bitwise the
     separate merge kernel's output, launch after launch (a race would show as a differing or NaN row), with

@@ -288,6 +288,64 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
     assert torch.equal(caches[0], caches[1]) and torch.equal(caches[0], caches[2])
 
 
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("decode", ["mixed", "canonical", "batch_invariant"])
+def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged_loops: None, decode: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton_paged.FUSE_ROPE_CANONICAL on vs off, a tiny Llama (interpreted) prefilling then decoding: a
+    step with one canonical row beside a split row, a decode="canonical" backend, and the batch_invariant
+    backend's CUDA path: the same logits and caches, and on runs the packed kernel with `rope` (off never)."""
+    import dataclasses
+
+    from engine.attention import batch_invariant as bi
+    from engine.attention import triton_canonical_decode as packed
+    from engine.attention import triton_paged as tp
+    from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
+
+    model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=5)
+    arch = model.arch
+    group = arch.num_heads // arch.num_kv_heads
+    monkeypatch.setitem(packed._CHECKED, ("cpu", torch.float32, group, arch.head_dim), True)  # checked elsewhere
+    if decode == "batch_invariant":
+        backend = bi.BatchInvariantAttention(backend="triton")
+        monkeypatch.setattr(backend, "_paged", lambda device: backend._triton)
+        backend._triton = tp.TritonPagedAttention(decode="canonical")
+    else:
+        backend = tp.TritonPagedAttention(decode="canonical" if decode == "canonical" else "split")
+    view = model.with_numerics(_InterpretedFusedOps(), backend)
+    fused_calls = []
+    plain = packed.canonical_decode_attention
+
+    def spy(*args: object, **kw: object) -> object:
+        fused_calls.append(kw.get("rope") is not None)
+        return plain(*args, **kw)
+
+    monkeypatch.setattr(packed, "canonical_decode_attention", spy)
+    tables = [[2, 3], [4, 5]]
+    prefill = [RowSpec(tables[0], 0, 19), RowSpec(tables[1], 0, 7)]
+    decode_rows = [RowSpec(tables[0], 19, 1), RowSpec(tables[1], 7, 1)]
+    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(4))
+    step = torch.tensor([11, 12])
+    meta = build_metadata(PassKind.DECODE, decode_rows, 16)
+    if decode == "mixed":
+        meta = dataclasses.replace(meta, canonical_rows=torch.tensor([1, 0], dtype=torch.int32))
+    logits, caches, calls = [], [], []
+    for on in (True, False):
+        monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", on)
+        fused_calls.clear()
+        kv = view.allocate_kv_cache(6, 16)
+        out = [view.compute_logits(view(ids, positions_of(prefill), build_metadata(PassKind.PREFILL, prefill, 16),
+                                        kv))]
+        out.append(view.compute_logits(view(step, positions_of(decode_rows), meta, kv)))
+        logits.append(torch.cat(out))
+        caches.append(torch.stack(kv.k + kv.v))
+        calls.append(list(fused_calls))
+    layers = arch.num_layers
+    assert calls[0] == [True] * layers and calls[1] == [False] * layers, calls
+    assert torch.isfinite(logits[0]).all()
+    assert torch.equal(logits[0], logits[1]) and torch.equal(caches[0], caches[1])
+
+
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")  # log2(0) of an empty split, masked after
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: both sides round in the interpreter
 def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(tf: ModuleType, paged_loops: None,
@@ -300,7 +358,22 @@ def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(tf: Module
     check_decode_rope_fusion(tf, tp, "cpu", dtype, [1, 70, 9, 130, 64, 65], (8, 2, 64, 16), (64, 128), seed=4)
 
 
-def test_decode_rope_rejects_skip_rows_and_misshaped_inputs(paged_loops: None) -> None:
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_rope_in_canonical_kernel_equals_rope_write_kv_then_decode(
+        tf: ModuleType, paged_loops: None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same in the packed canonical decode kernel: a step with canonical rows (split kernel for the
+    others, each kernel storing its own rows' K/V) and an all-canonical step, bitwise against rope_write_kv
+    then the kernels; 64-key chunks so that rows span 1-3 chunks merged by their last program."""
+    from engine.attention import triton_paged as tp
+    from tests.engine.gpu_reference import check_decode_rope_fusion
+
+    monkeypatch.setattr(tp, "PREFILL_CHUNK", 64)
+    check_decode_rope_fusion(tf, tp, "cpu", dtype, [1, 70, 9, 130, 64, 65], (8, 2, 64, 16), (64,), seed=6,
+                             canonical=[1, 1, 0, 1, 0, 1])
+
+
+def test_decode_rope_rejects_misshaped_inputs(paged_loops: None) -> None:
     from engine.attention import triton_paged as tp
     from tests.engine.gpu_reference import make_paged_case
 
@@ -309,8 +382,8 @@ def test_decode_rope_rejects_skip_rows_and_misshaped_inputs(paged_loops: None) -
     k = torch.zeros(2, 2, 64)
     rope = tp.DecodeRope(k, k, torch.zeros(2, 2, 64), torch.tensor([4, 24]))
     args = (q, case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"], 0.125)
-    with pytest.raises(ValueError, match="skip_rows"):
-        tp.decode_attention(*args, rope=rope, skip_rows=torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dtype"):
+        tp.decode_attention(*args, rope=tp.DecodeRope(k.half(), k, rope.cos_sin, rope.slots))
     with pytest.raises(ValueError, match="cos_sin"):
         tp.decode_attention(*args, rope=tp.DecodeRope(k, k, torch.zeros(2, 64), rope.slots))
     with pytest.raises(ValueError, match="slots"):

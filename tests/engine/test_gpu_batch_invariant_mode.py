@@ -82,13 +82,33 @@ def test_alone_equals_batched_and_preempted(make_llm: Any, source: Any) -> None:
     assert tight.core.scheduler.preemptions > 0
 
 
-def test_chunked_prefill_and_decode_equal_whole_prefill_cuda(bi_model: Any) -> None:
+@pytest.mark.parametrize("fuse_rope", [False, True])
+def test_chunked_prefill_and_decode_equal_whole_prefill_cuda(bi_model: Any, fuse_rope: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """fuse_rope: triton_paged.FUSE_ROPE_CANONICAL, RoPE and the K/V store inside the canonical decode kernel."""
+    from engine.attention import triton_paged as tp
     from tests.engine.test_batch_invariant_mode import prefill_variants
+
+    monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", fuse_rope)
 
     rng = random.Random(3)
     variants = prefill_variants(bi_model, [rng.randrange(3, 1000) for _ in range(40)], [5] * 9)
     for name, logits in variants.items():
         assert torch.equal(logits, variants["whole"]), name
+
+
+def test_rope_in_canonical_kernel_gives_the_same_bits(make_llm: Any, source: Any,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """triton_paged.FUSE_ROPE_CANONICAL on and off (graphs captured under each): the load test's first run
+    gives the same token ids and logprobs."""
+    from engine.attention import triton_paged as tp
+
+    det, pool = load_workload(source.tokenizer, deterministic=lambda i: i % 4 < 2)
+    runs = []
+    for on in (False, True):
+        monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", on)
+        runs.append(load_run(make_llm(max_num_seqs=96), det, pool, seed=0))
+    assert_same(runs[0], runs[1])
 
 
 def test_runs_triton_kernels(make_llm: Any) -> None:
