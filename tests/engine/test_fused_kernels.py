@@ -178,6 +178,26 @@ def paged_loops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patched)
 
 
+_TABLES = [[2, 3], [4, 5]]
+_PREFILL = [RowSpec(_TABLES[0], 0, 19), RowSpec(_TABLES[1], 0, 7)]
+_DECODE = [RowSpec(_TABLES[0], 19, 1), RowSpec(_TABLES[1], 7, 1)]
+
+
+def _prefill_then_decode(model: torch.nn.Module, seed: int, canonical_rows: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tiny model's prefill of two rows (19 and 7 random tokens) then one decode step (canonical_rows in its
+    metadata) on a fresh 6-block cache -> (the logits of both passes, the K/V caches stacked)."""
+    import dataclasses
+
+    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(seed))
+    meta = dataclasses.replace(build_metadata(PassKind.DECODE, _DECODE, 16), canonical_rows=canonical_rows)
+    kv = model.allocate_kv_cache(6, 16)
+    logits = [model.compute_logits(model(ids, positions_of(_PREFILL), build_metadata(PassKind.PREFILL, _PREFILL, 16),
+                                         kv)),
+              model.compute_logits(model(torch.tensor([11, 12]), positions_of(_DECODE), meta, kv))]
+    return torch.cat(logits), torch.stack(kv.k + kv.v)
+
+
 def _rope_write_case(dtype: torch.dtype, t: int, d: int, seed: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]:
@@ -268,18 +288,7 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
         return plain_decode(*args, **kw)
 
     monkeypatch.setattr(tp, "decode_attention", decode_attention)
-    tables = [[2, 3], [4, 5]]
-    prefill = [RowSpec(tables[0], 0, 19), RowSpec(tables[1], 0, 7)]
-    decode = [RowSpec(tables[0], 19, 1), RowSpec(tables[1], 7, 1)]
-    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(2))
-    step = torch.tensor([11, 12])
-    logits, caches = [], []
-    for m in (on, outside, off):
-        kv = m.allocate_kv_cache(6, 16)
-        out = [m.compute_logits(m(ids, positions_of(prefill), build_metadata(PassKind.PREFILL, prefill, 16), kv))]
-        out.append(m.compute_logits(m(step, positions_of(decode), build_metadata(PassKind.DECODE, decode, 16), kv)))
-        logits.append(torch.cat(out))
-        caches.append(torch.stack(kv.k + kv.v))
+    logits, caches = zip(*(_prefill_then_decode(m, seed=2) for m in (on, outside, off)), strict=True)
     layers = model.arch.num_layers
     # on: prefill rope_write_kv, decode RoPE in the split kernel; outside: rope_write_kv twice; off: write_kv
     assert counts == {"rope_write_kv": 3 * layers, "write_kv": 2 * layers, "decode_attention_rope": layers}
@@ -295,8 +304,6 @@ def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged
     """triton_paged.FUSE_ROPE_CANONICAL on vs off, a tiny Llama (interpreted) prefilling then decoding: a
     step with one canonical row beside a split row, a decode="canonical" backend, and the batch_invariant
     backend's CUDA path: the same logits and caches, and on runs the packed kernel with `rope` (off never)."""
-    import dataclasses
-
     from engine.attention import batch_invariant as bi
     from engine.attention import triton_canonical_decode as packed
     from engine.attention import triton_paged as tp
@@ -321,24 +328,14 @@ def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged
         return plain(*args, **kw)
 
     monkeypatch.setattr(packed, "canonical_decode_attention", spy)
-    tables = [[2, 3], [4, 5]]
-    prefill = [RowSpec(tables[0], 0, 19), RowSpec(tables[1], 0, 7)]
-    decode_rows = [RowSpec(tables[0], 19, 1), RowSpec(tables[1], 7, 1)]
-    ids = torch.randint(0, 512, (26,), generator=torch.Generator().manual_seed(4))
-    step = torch.tensor([11, 12])
-    meta = build_metadata(PassKind.DECODE, decode_rows, 16)
-    if decode == "mixed":
-        meta = dataclasses.replace(meta, canonical_rows=torch.tensor([1, 0], dtype=torch.int32))
+    mask = torch.tensor([1, 0], dtype=torch.int32) if decode == "mixed" else None
     logits, caches, calls = [], [], []
     for on in (True, False):
         monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", on)
         fused_calls.clear()
-        kv = view.allocate_kv_cache(6, 16)
-        out = [view.compute_logits(view(ids, positions_of(prefill), build_metadata(PassKind.PREFILL, prefill, 16),
-                                        kv))]
-        out.append(view.compute_logits(view(step, positions_of(decode_rows), meta, kv)))
-        logits.append(torch.cat(out))
-        caches.append(torch.stack(kv.k + kv.v))
+        out, cache = _prefill_then_decode(view, seed=4, canonical_rows=mask)
+        logits.append(out)
+        caches.append(cache)
         calls.append(list(fused_calls))
     layers = arch.num_layers
     assert calls[0] == [True] * layers and calls[1] == [False] * layers, calls
