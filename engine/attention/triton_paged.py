@@ -431,7 +431,9 @@ class TritonPagedAttention:
         inside its attention launch: a DECODE step whose rows all take the split-KV kernel (no canonical
         rows). The split kernel then applies triton_fused's RoPE arithmetic to q and K and stores K and V
         at plan.slot_mapping itself (decode_attention's `rope`), one launch a layer fewer than
-        rope_write_kv + forward, with the same bits (output and caches). Any other pass: None, having
+        rope_write_kv + forward, with the same bits (output and caches). With FUSE_ROPE_CANONICAL also a
+        DECODE step with canonical rows, or of decode="canonical", where the packed canonical kernel serves
+        them (use_packed): each kernel rotates and stores its own rows. Any other pass: None, having
         touched nothing (the caller ropes and writes as usual). The model calls it only where its ops'
         RoPE is triton_fused's (Ops.triton_rope), so the arithmetic is the ops' own."""
         rope = DecodeRope(k, v, cos_sin, plan.slot_mapping)
