@@ -1447,6 +1447,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench "
                         "builds (graphs of at least this many padded rows capture their GEMMs with cuBLASLt; "
                         "0 = never; default: the engine's, DEFAULT_DECODE_CUBLASLT_MIN_ROWS)")
+    p.add_argument("--fuse-rope-canonical", choices=["on", "off"], default=None,
+                   help="set engine.attention.triton_paged.FUSE_ROPE_CANONICAL for the whole run (RoPE and the "
+                        "K/V store inside the canonical decode kernel: dvr's and batch_invariant's decode "
+                        "steps); default: the module's value")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1527,9 +1531,14 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(argv)}
+    from engine.attention import triton_paged
+
+    if args.fuse_rope_canonical is not None:
+        triton_paged.FUSE_ROPE_CANONICAL = args.fuse_rope_canonical == "on"
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
-                      "decode_cublaslt_min_rows": cublaslt_min_rows(args)}
+                      "decode_cublaslt_min_rows": cublaslt_min_rows(args),
+                      "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL}
     ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
     ctx.deadline = ctx.t_start + args.deadline_s
     png_path = out_dir / f"{args.name}.png"

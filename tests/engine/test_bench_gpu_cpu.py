@@ -46,6 +46,10 @@ def test_parse_args_defaults() -> None:
     assert args.decode_cublaslt_min_rows is None and bg.cublaslt_min_rows(args) == 32
     assert bg.cublaslt_min_rows(bg.parse_args(["--decode-cublaslt-min-rows", "0"])) == 0
     assert bg.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
+    # --fuse-rope-canonical: unset keeps the module's value; on / off only
+    assert args.fuse_rope_canonical is None and bg.parse_args(["--fuse-rope-canonical", "on"]).fuse_rope_canonical == "on"
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--fuse-rope-canonical", "yes"])
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 
