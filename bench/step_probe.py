@@ -10,7 +10,7 @@
    between kernels = replay time - summed kernel time).
 3. Concurrency: the verify graph on a side stream while the main stream replays k decode steps, against
    the same work one after the other (k = 1, 2, 3).
-4. With --split-sweep (eighth session; not yet run): the captured decode step at batch 16 / 32 / 64 for
+4. With --split-sweep (eighth session; run in the ninth, bench/results/2026-12-02-s9/at-1801466): the captured decode step at batch 16 / 32 / 64 for
    each split-KV split size 64 / 128 / 256 / 512, and for the default split at other warps / pipeline
    stages of the split kernel (`triton_paged.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES`), cuBLASLt from the
    engine's default row count as the engine captures it, with the split kernel's device time: whether
@@ -88,15 +88,13 @@ def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
     """Median replay ms of the captured decode step per (variant, batch) and the split kernel's device µs per
     replay. Variants: each split size at the default launch, and the default split (by rows) at 4 or 8 warps
     and 2-4 pipeline stages. The backend's split setting and the launch constants are restored afterwards."""
-    from engine.attention.triton_paged import decode_split_for_rows
+    from engine.attention import triton_paged as tp
     from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS
     from engine.cuda_graphs import DecodeGraphs
 
-    from engine.attention import triton_paged as tp
-
     backend = model.attention
     saved = backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES
-    out: dict[str, Any] = {"context": context, "default_split": {b: decode_split_for_rows(b) for b in batches},
+    out: dict[str, Any] = {"context": context, "default_split": {b: tp.decode_split_for_rows(b) for b in batches},
                            "default_warps_stages": [tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES],
                            "cublaslt_min_rows": DEFAULT_DECODE_CUBLASLT_MIN_ROWS, "runs": {}}
     # each split size at the default launch; then the default split (by rows) at other warps / stages

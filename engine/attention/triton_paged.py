@@ -410,12 +410,6 @@ class TritonPagedAttention:
             self._workspaces[key] = ws
         return ws
 
-    def _split_setup(self, q: torch.Tensor, k_cache: torch.Tensor, plan: TritonPlan
-                     ) -> tuple[int, DecodeWorkspace]:
-        split_size = self.split_size or decode_split_for_rows(q.shape[0])
-        splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
-        return split_size, self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
-
     def forward_rope(
         self,
         q: torch.Tensor,        # [T, Hq, D], before RoPE (a strided view of the qkv output is fine)
@@ -436,18 +430,17 @@ class TritonPagedAttention:
         them (use_packed): each kernel rotates and stores its own rows. Any other pass: None, having
         touched nothing (the caller ropes and writes as usual). The model calls it only where its ops'
         RoPE is triton_fused's (Ops.triton_rope), so the arithmetic is the ops' own."""
-        rope = DecodeRope(k, v, cos_sin, plan.slot_mapping)
-        if plan.one_query_per_row and plan.canonical_rows is None:
-            return self._split_decode(q, k_cache, v_cache, plan, scale, rope)
-        if not FUSE_ROPE_CANONICAL or not (plan.one_query_per_row or plan.canonical_decode):
+        if not (plan.one_query_per_row or plan.canonical_decode):
             return None
-        from engine.attention import triton_canonical_decode as packed
+        if plan.canonical_decode or plan.canonical_rows is not None:  # rows for the canonical kernel
+            from engine.attention import triton_canonical_decode as packed
 
-        if not packed.use_packed(q, k_cache):  # the prefill kernel serves these rows: it reads K/V written
-            return None
+            # off, or the prefill kernel serves them (it reads K/V already written): the caller's path
+            if not FUSE_ROPE_CANONICAL or not packed.use_packed(q, k_cache):
+                return None
+        rope = DecodeRope(k, v, cos_sin, plan.slot_mapping)
         if plan.canonical_decode:
-            return packed.canonical_decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                                                     rope=rope)
+            return _canonical_decode(q, k_cache, v_cache, plan, scale, None, None, rope)
         return self._split_decode(q, k_cache, v_cache, plan, scale, rope)
 
     def _split_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: TritonPlan,
@@ -455,7 +448,9 @@ class TritonPagedAttention:
         """A DECODE step of one query per row: the split-KV kernel, and the canonical kernel for the rows
         plan.canonical_rows flags (on a side stream where there is one). With `rope`, q is before RoPE and
         each kernel rotates and stores its own rows' K/V (the canonical rows through the packed kernel)."""
-        split_size, ws = self._split_setup(q, k_cache, plan)
+        split_size = self.split_size or decode_split_for_rows(q.shape[0])
+        splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
+        ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         side = self._side_stream(q.device) if plan.canonical_rows is not None else None
         if side is not None:  # the canonical rows on a second stream, concurrent with the split rows

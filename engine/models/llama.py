@@ -95,21 +95,25 @@ class Attention(nn.Module):
         # RoPE inside the attention launch (a decode step of split-KV rows on the triton backend), when the
         # ops' RoPE is the Triton kernel whose arithmetic the backend repeats there
         forward_rope = getattr(backend, "forward_rope", None)
-        if forward_rope is not None and getattr(ops, "triton_rope", None) is not None and ops.triton_rope(q):
-            out = forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, self.scale)
-            if out is not None:
-                return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
+        in_attention = forward_rope is not None and getattr(ops, "triton_rope", None) is not None \
+            and ops.triton_rope(q)
+        out = forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, self.scale) if in_attention else None
+        if out is None:
+            out = self._rope_then_attend(q, k, v, cos_sin, plan, k_cache, v_cache, backend, ops)
+        return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
+
+    def _rope_then_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, plan: Any,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend, ops: Ops
+                          ) -> torch.Tensor:  # [T, Hq, D]
         # RoPE that also writes K/V into the cache (one launch instead of rope + two index_copy_), when the
         # ops offer it for these tensors and the backend accepts K/V already written
         rope_write_kv = getattr(ops, "rope_write_kv", None) if getattr(backend, "kv_prewritten", False) else None
         q_rot = None if rope_write_kv is None else rope_write_kv(q, k, v, cos_sin, k_cache, v_cache,
                                                                  plan.slot_mapping)
         if q_rot is not None:
-            out = backend.forward(q_rot, None, None, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
-        else:
-            q, k = ops.rope(q, k, cos_sin)
-            out = backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)  # [T, Hq, D]
-        return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
+            return backend.forward(q_rot, None, None, k_cache, v_cache, plan, self.scale)
+        q, k = ops.rope(q, k, cos_sin)
+        return backend.forward(q, k, v, k_cache, v_cache, plan, self.scale)
 
 
 class MLP(nn.Module):

@@ -155,11 +155,7 @@ def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
                          check=True).stdout
     assert "--context" in out and "--reps" in out
     if name == "step_probe.py":
-        # part 4 toggles the Triton backend's split_size (None: by rows) and gives it back afterwards
-        from engine.attention.triton_paged import TritonPagedAttention
-
         assert "--split-sweep" in out and "--only-split-sweep" in out
-        assert TritonPagedAttention().split_size is None
 
 
 def test_drive_reports_the_decode_phase(tmp_path: Path, tiny_make: Any) -> None:
