@@ -74,11 +74,12 @@ DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
 # the backend's default split size by padded batch (decode_split_for_rows): (at most this many rows, split)
 DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
 # RoPE and the K/V store inside the canonical (GQA-packed) decode kernel too, for decode steps with canonical
-# rows (DVR) and every decode step of mode="batch_invariant" (forward_rope). Off: written in the ninth session
-# and tested on the CPU (interpreter, bitwise against rope_write_kv + the kernel) and lowered for sm_90, but
-# not yet run on the H200; the gpu tests run it on (monkeypatched), and it is switched on once they pass there.
-# With canonical rows the committed bits depend on it only through the K/V it stores, which the tests compare.
-FUSE_ROPE_CANONICAL = False
+# rows (DVR) and every decode step of mode="batch_invariant" (forward_rope). Written in the ninth session,
+# tested on the CPU (interpreter, bitwise against rope_write_kv + the kernel) and on the H200 (tenth session:
+# the gpu tests with it on and off); on by default since. The gpu tests and the bench
+# (--fuse-rope-canonical) switch it per run. With canonical rows the committed bits depend on it only through
+# the K/V it stores, which the tests compare.
+FUSE_ROPE_CANONICAL = True
 _LOG2E = 1.4426950408889634
 
 
