@@ -21,7 +21,7 @@ from typing import Any
 PTRS = {"seq_lens_ptr": "*i32", "bt_ptr": "*i32", "row_mask_ptr": "*i32", "qsl_ptr": "*i32", "mid_o_ptr": "*fp32",
         "mid_lse_ptr": "*fp32", "cnt_ptr": "*i32", "slot_ptr": "*i64", "mid_m_ptr": "*fp32", "mid_l_ptr": "*fp32", "mid_acc_ptr": "*fp32"}
 PAGED = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
-             HAS_ROW_MASK=True, CHUNK=256, GROUP=4, FUSE_ROPE=False, CHUNKS_PER_PROG=2)
+             HAS_ROW_MASK=True, CHUNK=256, GROUP=4, FUSE_ROPE=False)
 SPLIT = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
              DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4, FUSE_ROPE=False)
 KERNELS = [  # (name, module, attribute, constexprs: the Llama-3.1-8B shapes, as the engine launches them)

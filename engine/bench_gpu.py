@@ -1451,9 +1451,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set engine.attention.triton_paged.FUSE_ROPE_CANONICAL for the whole run (RoPE and the "
                         "K/V store inside the canonical decode kernel: dvr's and batch_invariant's decode "
                         "steps); default: the module's value")
-    p.add_argument("--canonical-chunks-beyond-32", type=int, default=None,
-                   help="set engine.attention.triton_canonical_decode.CHUNKS_BEYOND for the whole run (key chunks "
-                        "per program of the canonical decode kernel above 32 rows; a launch parameter, same bits)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1538,16 +1535,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.fuse_rope_canonical is not None:
         triton_paged.FUSE_ROPE_CANONICAL = args.fuse_rope_canonical == "on"
-    from engine.attention import triton_canonical_decode
-
-    if args.canonical_chunks_beyond_32 is not None:
-        triton_canonical_decode.CHUNKS_BEYOND = max(1, args.canonical_chunks_beyond_32)
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
-                      "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,
-                      "canonical_chunks_by_rows": [list(x) for x in triton_canonical_decode.CHUNKS_BY_ROWS],
-                      "canonical_chunks_beyond": triton_canonical_decode.CHUNKS_BEYOND}
+                      "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL}
     ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
     ctx.deadline = ctx.t_start + args.deadline_s
     png_path = out_dir / f"{args.name}.png"

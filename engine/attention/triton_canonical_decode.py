@@ -24,23 +24,6 @@ from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk, rop
 
 _CHECKED: dict[tuple[str, torch.dtype], bool] = {}
 
-# Key chunks per program, by padded batch: (at most this many rows, chunks). A launch parameter only: every
-# chunk's partial result starts from scratch and the last program merges all of them in chunk order, so the
-# bits are the same for any value (tested under the interpreter for 1, 2 and 3). Tenth session: with one
-# chunk per program a 64-row step of 4096-key graphs launched 16 programs per (row, KV head), most of them
-# past the row's keys; two chunks per program beyond 32 rows mirror the split-KV kernel's 512-key splits
-# there (decode_split_for_rows), halving the grid. CHUNKS_PER_PROGRAM, when set, overrides the table.
-CHUNKS_BY_ROWS = ((32, 1),)
-CHUNKS_BEYOND = 2
-CHUNKS_PER_PROGRAM: int | None = None
-
-
-def chunks_per_program(num_rows: int) -> int:
-    """Key chunks each program of a launch of `num_rows` rows reduces (see CHUNKS_BY_ROWS)."""
-    if CHUNKS_PER_PROGRAM is not None:
-        return max(1, CHUNKS_PER_PROGRAM)
-    return next((c for rows, c in CHUNKS_BY_ROWS if num_rows <= rows), CHUNKS_BEYOND)
-
 
 @triton.jit
 def _canonical_decode_kernel(
@@ -57,21 +40,18 @@ def _canonical_decode_kernel(
     kraw_ptr, vraw_ptr, cs_ptr, slot_ptr, stride_krt, stride_krh, stride_vrt, stride_vrh, stride_cst, stride_csw,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr, FUSE_ROPE: tl.constexpr, CHUNKS_PER_PROG: tl.constexpr,
+    HAS_ROW_MASK: tl.constexpr, CHUNK: tl.constexpr, FUSE_ROPE: tl.constexpr,
 ):
     r = tl.program_id(0)
     if HAS_ROW_MASK:  # only flagged rows run; the others keep the split-KV output
         if tl.load(row_mask_ptr + r) == 0:
             return
     kvh = tl.program_id(1)
-    c = tl.program_id(2)                                     # this program: chunks [c*CPP, (c+1)*CPP)
+    c = tl.program_id(2)                                     # this program's key chunk
     seq_len = tl.load(seq_lens_ptr + r)
     n_chunks = tl.cdiv(seq_len, CHUNK)
-    first = c * CHUNKS_PER_PROG
-    if first >= n_chunks:  # past the row's keys: no work, not counted
+    if c >= n_chunks:  # past the row's keys: no work, not counted
         return
-    last = tl.minimum(first + CHUNKS_PER_PROG, n_chunks)
-    n_progs = tl.cdiv(n_chunks, CHUNKS_PER_PROG)            # the row's programs with work (per KV head)
     mrow = tl.arange(0, BLOCK_M)                            # MMA row i < GROUP: query head kvh*GROUP + i
     live = mrow < GROUP
     heads = kvh * GROUP + mrow
@@ -82,7 +62,7 @@ def _canonical_decode_kernel(
         q = rope_q(q_ptr + r * stride_qt + heads[:, None] * stride_qh, live[:, None] & d_mask[None, :], lo, partner,
                    cos, sin, offs_d)
         q = q.to(k_ptr.dtype.element_ty)  # [BM, BD]
-        if c == ((seq_len - 1) // CHUNK) // CHUNKS_PER_PROG:  # the program whose chunks hold this step's key
+        if c == (seq_len - 1) // CHUNK:  # the program whose chunk holds this step's key
             rope_store_kv(kraw_ptr, vraw_ptr, r, stride_krt, stride_krh, stride_vrt, stride_vrh, lo, partner, cos, sin,
                           slot_ptr, k_ptr, v_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           offs_d, d_mask, BLOCK_SIZE)
@@ -91,40 +71,29 @@ def _canonical_decode_kernel(
         q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
-    # the prefill kernel's chunk loop body, with every live row's query at position `pos`, once per chunk of
-    # this program: each chunk's (max, sum, acc) starts from scratch, so it has the same bits whichever
-    # program computes it (CHUNKS_PER_PROG is a launch parameter, not part of the arithmetic)
+    # the prefill kernel's chunk loop body, with every live row's query at position `pos`
     tiles_per_chunk: tl.constexpr = CHUNK // BLOCK_N
     pos = seq_len - 1
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    out_mask = live[:, None] & d_mask[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for ch in range(first, last):
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for kt in range(ch * tiles_per_chunk, tl.minimum(ch * tiles_per_chunk + tiles_per_chunk, num_tiles)):
-            kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-            k_valid = kpos < seq_len
-            k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
-                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
-            s = tl.where(causal, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
-        if n_chunks > 1:  # park this chunk's (max, sum, acc) for the merge
-            tl.store(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + ch, m_i, mask=live)
-            tl.store(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + ch, l_i, mask=live)
-            tl.store(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + ch * stride_ma_c
-                     + offs_d[None, :], acc, mask=out_mask)
+    for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
+        kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+        k_valid = kpos < seq_len
+        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
+        s = tl.where(causal, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    out_mask = live[:, None] & d_mask[None, :]
     if n_chunks == 1:  # the whole row in this program: merge into the empty total, as the prefill kernel
         m_run, l_run, acc_run = merge_chunk(tl.full([BLOCK_M], float("-inf"), tl.float32),
                                             tl.zeros([BLOCK_M], tl.float32),
@@ -133,14 +102,18 @@ def _canonical_decode_kernel(
         tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=out_mask)
     else:
-        # the last of the row's programs (per KV head) merges the parked chunks in increasing chunk order.
-        # Ordering (CUTLASS's semaphore pattern): the barrier puts every thread's stores before the acq_rel
-        # atomic; the merging program's barrier after its atomic puts the acquire before its loads, which
-        # bypass L1 (.cg). No program waits on another.
+        # park this chunk's (max, sum, acc); the last of the row's chunk programs (per KV head) merges them
+        # in increasing chunk order. Ordering (CUTLASS's semaphore pattern): the barrier puts every thread's
+        # stores before the acq_rel atomic; the merging program's barrier after its atomic puts the acquire
+        # before its loads, which bypass L1 (.cg). No program waits on another.
+        tl.store(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + c, m_i, mask=live)
+        tl.store(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + c, l_i, mask=live)
+        tl.store(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + c * stride_ma_c
+                 + offs_d[None, :], acc, mask=out_mask)
         tl.debug_barrier()
         cnt = cnt_ptr + r * stride_cnt + kvh
         done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if done == n_progs - 1:
+        if done == n_chunks - 1:
             tl.debug_barrier()
             g_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
             s_run = tl.zeros([BLOCK_M], tl.float32)
@@ -156,7 +129,7 @@ def _canonical_decode_kernel(
             res = a_run / tl.where(s_run == 0.0, 1.0, s_run)[:, None]
             tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                      res.to(o_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt, 0)  # every program of this row that had work has counted: ready for the next launch
+            tl.store(cnt, 0)  # every chunk program of this launch has counted: ready for the next launch
 
 
 class ChunkWorkspace:
@@ -204,10 +177,9 @@ def canonical_decode_attention(
     out: torch.Tensor | None = None,
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
     rope: tp.DecodeRope | None = None,
-    chunks_per_prog: int | None = None,  # default chunks_per_program(R); any value gives the same bits
 ) -> torch.Tensor:
-    """The prefill kernel's output for each row's one query: one program per (row, KV head) and
-    chunks_per_program(R) key chunks, the chunks merged in order by the last program with work. Allocation-free after the first call per shape.
+    """The prefill kernel's output for each row's one query: one program per (row, KV head, key chunk),
+    the chunks merged in order by the last of them. Allocation-free after the first call per shape.
     rope: q is before RoPE, and the kernel rotates q and K and stores K/V at rope.slots first, as
     triton_paged.decode_attention's `rope` (the bits of rope_write_kv then this call); rows `only_rows`
     leaves out get nothing written."""
@@ -221,9 +193,8 @@ def canonical_decode_attention(
     only_rows = tp._row_mask(only_rows, num_rows)
     rope_args = tp.rope_launch_args(rope, q, seq_lens)
     num_chunks = max(1, -(-block_tables.shape[1] * block_size // tp.PREFILL_CHUNK))  # static: the table width
-    cpp = chunks_per_program(num_rows) if chunks_per_prog is None else max(1, chunks_per_prog)
     ws = workspace(num_rows, num_heads, num_kv_heads, num_chunks, head_dim, q.device)
-    _canonical_decode_kernel[(num_rows, num_kv_heads, -(-num_chunks // cpp))](
+    _canonical_decode_kernel[(num_rows, num_kv_heads, num_chunks)](
         q, k_cache, v_cache, out,
         seq_lens, block_tables, only_rows,
         ws.mid_m, ws.mid_l, ws.mid_acc, ws.cnt,
@@ -239,7 +210,7 @@ def canonical_decode_attention(
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp._next_pow2(head_dim)),
         BLOCK_M=tp.PREFILL_BLOCK_M, BLOCK_N=tp.PREFILL_BLOCK_N, DOT_PRECISION=tp._dot_precision(q),
         HAS_ROW_MASK=only_rows is not None, CHUNK=tp.PREFILL_CHUNK, FUSE_ROPE=rope is not None,
-        CHUNKS_PER_PROG=cpp, num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
+        num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
     )
     return out
 
@@ -247,7 +218,7 @@ def canonical_decode_attention(
 def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
     """Whether this kernel gives the prefill kernel's bits here (once per device, dtype, group, head_dim):
     random cache, 3 KV heads, rows whose queries sit at every MMA row index of the prefill tile and past
-    one key tile, with one and with two key chunks per program. Never called under CUDA-graph capture (it syncs): see `use_packed`."""
+    one key tile. Never called under CUDA-graph capture (it syncs): see `use_packed`."""
     key = (str(device), dtype, group, head_dim)
     if key not in _CHECKED:
         g = torch.Generator(device="cpu").manual_seed(20261129)
@@ -261,9 +232,8 @@ def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int,
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
         ref = tp.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, head_dim**-0.5, 1)
-        # one and two chunks per program (the launch parameter varies with the batch), and the default
-        _CHECKED[key] = all(bool(torch.equal(ref, canonical_decode_attention(
-            q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5, chunks_per_prog=cpp))) for cpp in (1, 2, None))
+        got = canonical_decode_attention(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5)
+        _CHECKED[key] = bool(torch.equal(ref, got))
     return _CHECKED[key]
 
 

@@ -357,19 +357,15 @@ def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(tf: Module
 
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cpp", [1, 2])
 def test_decode_rope_in_canonical_kernel_equals_rope_write_kv_then_decode(
-        tf: ModuleType, paged_loops: None, dtype: torch.dtype, cpp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        tf: ModuleType, paged_loops: None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same in the packed canonical decode kernel: a step with canonical rows (split kernel for the
     others, each kernel storing its own rows' K/V) and an all-canonical step, bitwise against rope_write_kv
-    then the kernels; 64-key chunks so that rows span 1-3 chunks merged by their last program, one or two
-    chunks per program (the program holding the step's key then also reduces the chunk before it)."""
-    from engine.attention import triton_canonical_decode as packed
+    then the kernels; 64-key chunks so that rows span 1-3 chunks merged by their last program."""
     from engine.attention import triton_paged as tp
     from tests.engine.gpu_reference import check_decode_rope_fusion
 
     monkeypatch.setattr(tp, "PREFILL_CHUNK", 64)
-    monkeypatch.setattr(packed, "CHUNKS_PER_PROGRAM", cpp)
     check_decode_rope_fusion(tf, tp, "cpu", dtype, [1, 70, 9, 130, 64, 65], (8, 2, 64, 16), (64,), seed=6,
                              canonical=[1, 1, 0, 1, 0, 1])
 

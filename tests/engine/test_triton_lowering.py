@@ -53,10 +53,8 @@ def test_prefill_and_canonical_decode_kernels_lower(row_mask: bool) -> None:
                   HAS_ROW_MASK=row_mask, CHUNK=256)
     assert "tt.func" in _lower(k._prefill_kernel, dict(common, GROUP=4))
     for fuse_rope in (False, True):
-        for cpp in (1, 2):
-            assert "tt.func" in _lower(cd._canonical_decode_kernel,
-                                       dict(common, GROUP=4, FUSE_ROPE=fuse_rope, CHUNKS_PER_PROG=cpp),
-                                       {"slot_ptr": "*i64"})
+        assert "tt.func" in _lower(cd._canonical_decode_kernel, dict(common, GROUP=4, FUSE_ROPE=fuse_rope),
+                                   {"slot_ptr": "*i64"})
 
 
 @pytest.mark.parametrize("write_kv", [True, False])
@@ -112,15 +110,13 @@ def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
     from engine.attention import triton_paged_kernels as k
 
     paged = dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64, BLOCK_N=64, DOT_PRECISION=None,
-                 HAS_ROW_MASK=True, CHUNK=256, GROUP=4, FUSE_ROPE=False, CHUNKS_PER_PROG=1)
+                 HAS_ROW_MASK=True, CHUNK=256, GROUP=4, FUSE_ROPE=False)
     split = dict(BLOCK_SIZE=16, GROUP=4, GROUP_PAD=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, SPLIT=512,
                  DOT_PRECISION=None, HAS_ROW_MASK=True, NUM_SPLITS=8, FUSED_MERGE=True, MERGE_PAD=4, FUSE_ROPE=False)
     for kernel, consts in ((k._prefill_kernel, paged), (cd._canonical_decode_kernel, paged),
                            (k._decode_split_kernel, split),
                            (k._decode_split_kernel, dict(split, HAS_ROW_MASK=False, FUSE_ROPE=True)),
-                           (cd._canonical_decode_kernel, dict(paged, FUSE_ROPE=True)),
-                           (cd._canonical_decode_kernel, dict(paged, CHUNKS_PER_PROG=2)),
-                           (cd._canonical_decode_kernel, dict(paged, FUSE_ROPE=True, CHUNKS_PER_PROG=2))):
+                           (cd._canonical_decode_kernel, dict(paged, FUSE_ROPE=True))):
         assert "define ptx_kernel void" in _lower(kernel, consts, llvm=True)
 
 
