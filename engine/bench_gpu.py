@@ -61,6 +61,10 @@ SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "sweep": ("wg_sweep",),                                                     # ~4 min
     "bi": ("bi_breakdown",),                                                    # ~1 min
     "long": ("compare_modes_synthetic_long",),                                  # ~6 min
+    # issue 6's whole comparison in one run (--compare-modes): ~20 min, more than one device call, which the
+    # H200 sessions therefore run as the presets modes, long and sweep (bench/h200.sh)
+    "compare": ("smollm2_rollback", "compare_modes", "compare_modes_synthetic", "compare_modes_synthetic_long",
+                "wg_sweep"),
     "all": ALL_SECTIONS,
 }
 BLOCK_SIZE = EngineConfig.block_size  # the engine's default: the bench sizes num_kv_blocks in it too
@@ -1418,6 +1422,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda"], help="accepted for `python -m engine bench`")
     p.add_argument("--sections", default="core",
                    help=f"comma list of sections ({','.join(ALL_SECTIONS)}) and presets ({','.join(SECTION_PRESETS)})")
+    p.add_argument("--compare-modes", action="store_true",
+                   help="the determinism-strategy comparison (preset 'compare'): nondeterministic, dvr at "
+                        "2/10/50/100 %% and batch_invariant on SmolLM2 and the synthetic 8B, every request set, "
+                        "SmolLM2 rollback rates and the W/G sweep; replaces --sections")
     p.add_argument("--deadline-s", type=float, default=480.0,
                    help="whole-run limit from start: later work is skipped/capped and marked truncated "
                         "(keep it under the device call's limit)")
@@ -1485,6 +1493,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-engine-graphs", dest="engine_graphs", action="store_false",
                    help="engine runs without CUDA graphs")
     args = p.parse_args(argv)
+    if args.compare_modes:
+        args.sections = "compare"
     try:
         args.section_names = expand_sections(args.sections)
         args.budgets = parse_budgets(args.budget_s)
@@ -1526,7 +1536,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench --device cuda: no CUDA device", file=sys.stderr)
+        print("bench --device cuda: no CUDA device (the GPU benchmarks, --compare-modes included, need one; "
+              "the CPU benchmark is `python -m engine bench --device cpu`)", file=sys.stderr)
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -105,8 +105,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def _wants_cuda_bench(argv: list[str]) -> bool:
-    return argv[:1] == ["bench"] and ("--device=cuda" in argv or any(
-        a == "--device" and b == "cuda" for a, b in zip(argv, argv[1:])))
+    """`bench --device cuda ...`, or `bench --compare-modes` (a GPU benchmark) unless --device cpu is given."""
+    if argv[:1] != ["bench"]:
+        return False
+    pairs = list(zip(argv, argv[1:]))
+    if "--device=cuda" in argv or ("--device", "cuda") in pairs:
+        return True
+    return "--compare-modes" in argv and "--device=cpu" not in argv and ("--device", "cpu") not in pairs
 
 
 def main(argv: list[str] | None = None) -> int:
