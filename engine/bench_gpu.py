@@ -1459,6 +1459,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="set engine.attention.triton_paged.FUSE_ROPE_CANONICAL for the whole run (RoPE and the "
                         "K/V store inside the canonical decode kernel: dvr's and batch_invariant's decode "
                         "steps); default: the module's value")
+    p.add_argument("--query-tile", type=int, choices=[16, 32, 64], default=None,
+                   help="triton_paged.set_query_tile for the whole run: the canonical kernels' query-tile rows "
+                        "(prefill, verify, canonical decode; a different KERNEL_ID, other committed bits); "
+                        "default: the module's (64)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1532,6 +1536,13 @@ def parse_budgets(spec: str) -> dict[str, float]:
     return budgets
 
 
+def packed_matches_8b() -> bool:
+    """triton_canonical_decode.packed_matches_prefill at Llama-3.1-8B heads (GQA group 4, head_dim 128, bf16)."""
+    from engine.attention import triton_canonical_decode
+
+    return triton_canonical_decode.packed_matches_prefill(torch.device("cuda"), torch.bfloat16, 4, 128)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
@@ -1546,10 +1557,16 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.fuse_rope_canonical is not None:
         triton_paged.FUSE_ROPE_CANONICAL = args.fuse_rope_canonical == "on"
+    if args.query_tile is not None:
+        triton_paged.set_query_tile(args.query_tile)
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
-                      "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL}
+                      "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,
+                      "attention_kernel": triton_paged.KERNEL_ID,
+                      # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
+                      # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
+                      "packed_canonical_decode_8b": packed_matches_8b()}
     ctx = Ctx(args=args, device=torch.device("cuda"), result=result, json_path=out_dir / f"{args.name}.json")
     ctx.deadline = ctx.t_start + args.deadline_s
     png_path = out_dir / f"{args.name}.png"

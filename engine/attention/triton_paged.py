@@ -64,6 +64,23 @@ PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in order (a multiple of BLOCK_N)
 KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+QUERY_TILES = (16, 32, 64)  # the query-tile heights set_query_tile accepts
+
+
+def set_query_tile(block_m: int) -> str:
+    """Make the canonical kernels' query tile `block_m` rows (PREFILL_BLOCK_M) for this process, and KERNEL_ID
+    with it: prefill, verify and canonical decode change their committed bits together, so transcripts made
+    under one tile replay only under the same one (the fingerprint names it). An experiment switch (tenth
+    session, not yet run on a GPU): a canonical decode row packs its GQA group into one tile, so a 16-row
+    tile would carry 12 dead MMA rows instead of 60 (Llama-3.1-8B). Call it before any kernel runs (decode
+    graphs capture the tile); the packed kernel's per-device check is keyed by the tile. Returns the new
+    KERNEL_ID."""
+    global PREFILL_BLOCK_M, KERNEL_ID
+    if block_m not in QUERY_TILES:
+        raise ValueError(f"query tile must be one of {QUERY_TILES} rows, got {block_m}")
+    PREFILL_BLOCK_M = block_m
+    KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+    return KERNEL_ID
 
 DECODE_BLOCK_N = 64
 # launch parameters of the split-KV decode kernel (fast path only: no committed bit depends on them);

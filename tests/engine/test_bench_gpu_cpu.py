@@ -65,6 +65,10 @@ def test_parse_args_defaults() -> None:
     assert args.fuse_rope_canonical is None and bg.parse_args(["--fuse-rope-canonical", "on"]).fuse_rope_canonical == "on"
     with pytest.raises(SystemExit):
         bg.parse_args(["--fuse-rope-canonical", "yes"])
+    # --query-tile: unset keeps the module's 64; 16 / 32 / 64 only
+    assert args.query_tile is None and bg.parse_args(["--query-tile", "16"]).query_tile == 16
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--query-tile", "48"])
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 

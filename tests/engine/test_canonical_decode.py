@@ -180,6 +180,13 @@ def _interpreter_main() -> None:
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
+    # a 16-row query tile (triton_paged.set_query_tile): the same claims with queries at rows p % 16
+    tp.set_query_tile(16)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
+                               split_size=64)
+        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
+    tp.set_query_tile(64)
     print("interpreter ok")
 
 
@@ -192,6 +199,23 @@ def run_under_triton_interpreter(module: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_set_query_tile_changes_the_kernel_identity() -> None:
+    """The query tile is part of the committed bits: KERNEL_ID (hence the fingerprint) names it, only the
+    documented heights are accepted, and the packed kernel's per-device check is keyed by it."""
+    from engine.attention import triton_paged as tp
+
+    base = tp.KERNEL_ID
+    assert tp.PREFILL_BLOCK_M == 64 and "-m64n" in base
+    try:
+        assert "-m16n" in tp.set_query_tile(16) and tp.KERNEL_ID != base and tp.PREFILL_BLOCK_M == 16
+        with pytest.raises(ValueError, match=r"query tile must be one of \(16, 32, 64\) rows, got 48"):
+            tp.set_query_tile(48)
+        assert tp.PREFILL_BLOCK_M == 16  # a rejected value changes nothing
+    finally:
+        tp.set_query_tile(64)
+    assert tp.KERNEL_ID == base
 
 
 def test_canonical_rows_under_the_triton_interpreter() -> None:
