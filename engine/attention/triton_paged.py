@@ -63,7 +63,13 @@ PREFILL_BLOCK_N = 64
 PREFILL_NUM_WARPS = 4
 PREFILL_NUM_STAGES = 2
 PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in order (a multiple of BLOCK_N)
-KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+
+
+def _kernel_id() -> str:
+    return f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+
+
+KERNEL_ID = _kernel_id()
 QUERY_TILES = (16, 32, 64)  # the query-tile heights set_query_tile accepts
 
 
@@ -79,7 +85,7 @@ def set_query_tile(block_m: int) -> str:
     if block_m not in QUERY_TILES:
         raise ValueError(f"query tile must be one of {QUERY_TILES} rows, got {block_m}")
     PREFILL_BLOCK_M = block_m
-    KERNEL_ID = f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+    KERNEL_ID = _kernel_id()
     return KERNEL_ID
 
 DECODE_BLOCK_N = 64
@@ -357,7 +363,10 @@ class TritonPagedAttention:
     """
 
     name = "triton"
-    kernel_id = KERNEL_ID
+
+    @property
+    def kernel_id(self) -> str:
+        return KERNEL_ID  # the module's, which set_query_tile changes
     # forward accepts k = v = None: this pass's K/V already sit in the cache at plan.slot_mapping (written by
     # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
     kv_prewritten = True

@@ -210,6 +210,8 @@ def test_set_query_tile_changes_the_kernel_identity() -> None:
     assert tp.PREFILL_BLOCK_M == 64 and "-m64n" in base
     try:
         assert "-m16n" in tp.set_query_tile(16) and tp.KERNEL_ID != base and tp.PREFILL_BLOCK_M == 16
+        # the fingerprint reads triton_paged.KERNEL_ID when it is built (CUDA configs only), as the backend does
+        assert tp.TritonPagedAttention().kernel_id == tp.KERNEL_ID
         with pytest.raises(ValueError, match=r"query tile must be one of \(16, 32, 64\) rows, got 48"):
             tp.set_query_tile(48)
         assert tp.PREFILL_BLOCK_M == 16  # a rejected value changes nothing
