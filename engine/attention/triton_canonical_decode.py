@@ -22,7 +22,13 @@ import triton.language as tl
 from engine.attention import triton_paged as tp
 from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk, rope_lanes, rope_q, rope_store_kv
 
-_CHECKED: dict[tuple, bool] = {}  # (device, dtype, group, head_dim, query tile) -> agrees
+_CHECKED: dict[tuple, bool] = {}  # check_key(...) -> agrees
+
+
+def check_key(device: torch.device | str, dtype: torch.dtype, group: int, head_dim: int) -> tuple:
+    """The key of `packed_matches_prefill`'s per-process result: device, dtype, head shape and the query tile
+    (triton_paged.set_query_tile), since the packed kernel copies the prefill kernel's tile."""
+    return (str(device), dtype, group, head_dim, tp.PREFILL_BLOCK_M)
 
 
 @triton.jit
@@ -219,7 +225,7 @@ def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int,
     """Whether this kernel gives the prefill kernel's bits here (once per device, dtype, group, head_dim):
     random cache, 3 KV heads, rows whose queries sit at every MMA row index of the prefill tile and past
     one key tile. Never called under CUDA-graph capture (it syncs): see `use_packed`."""
-    key = (str(device), dtype, group, head_dim, tp.PREFILL_BLOCK_M)
+    key = check_key(device, dtype, group, head_dim)
     if key not in _CHECKED:
         g = torch.Generator(device="cpu").manual_seed(20261129)
         hkv, bs = 3, 16
@@ -243,7 +249,7 @@ def use_packed(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
     if group > tp.PREFILL_BLOCK_M:
         return False
-    key = (str(q.device), q.dtype, group, head_dim, tp.PREFILL_BLOCK_M)
+    key = check_key(q.device, q.dtype, group, head_dim)
     if key not in _CHECKED and q.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return packed_matches_prefill(q.device, q.dtype, group, head_dim)

@@ -312,8 +312,8 @@ def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged
     model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=5)
     arch = model.arch
     group = arch.num_heads // arch.num_kv_heads
-    monkeypatch.setitem(packed._CHECKED, ("cpu", torch.float32, group, arch.head_dim, tp.PREFILL_BLOCK_M),
-                        True)  # checked elsewhere
+    # the packed kernel's agreement is checked elsewhere; its check would call the spied function below
+    monkeypatch.setitem(packed._CHECKED, packed.check_key("cpu", torch.float32, group, arch.head_dim), True)
     if decode == "batch_invariant":
         backend = bi.BatchInvariantAttention(backend="triton")
         monkeypatch.setattr(backend, "_paged", lambda device: backend._triton)
