@@ -22,6 +22,7 @@ _ENGINE_COUNTERS = {
     "rollbacks": "DVR rollbacks (candidate mismatches)",
     "recomputed_tokens": "Candidate tokens discarded by rollbacks",
     "verify_seconds": "Seconds spent in verify passes",
+    "carried_decode_rows": "Decode rows run inside verify passes",
     "preemptions": "Requests preempted for lack of KV blocks",
 }
 _ENGINE_GAUGES = {"running": "Requests running in the engine", "waiting": "Requests queued in the engine"}

@@ -21,6 +21,11 @@ def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: boo
     return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if cuda_graphs_on_cuda else 0
 
 
+# decode rows a dvr verify pass carries by default on the triton backend (CUDA): a batch-64 decode step beside
+# the G x W verify tokens (README, eleventh session)
+DEFAULT_VERIFY_DECODE_ROWS = 64
+
+
 class Mode(str, enum.Enum):
     """How the engine makes deterministic requests reproducible."""
 
@@ -86,6 +91,14 @@ class EngineConfig:
                                         # else 0. On the H200 it replayed the 8B step at batch 64 2.8-5 %
                                         # faster and batch 1 slower (README). Fast path only: prefill and verify keep
                                         # cuBLAS, so committed bits never change (rollbacks may).
+    verify_decode_rows: int | None = None  # D: every verify pass also carries one decode step of up to D running
+                                        # rows that are not in it (the rows a decode step would take now), so the
+                                        # verify tokens and that step share one read of the weights. The pass is
+                                        # always G*W + D tokens (dummy rows where fewer are carried): the verify
+                                        # bits depend on D (part of the runtime identity), never on what is
+                                        # carried. None: DEFAULT_VERIFY_DECODE_ROWS in mode dvr on the triton
+                                        # backend, else 0 (off); always 0 outside mode dvr. Never changes a
+                                        # committed bit for a given D.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -146,6 +159,17 @@ class EngineConfig:
                "decode_cublaslt_min_rows", f"must be an int >= 0, got {self.decode_cublaslt_min_rows!r}")
         _check(self.decode_cublaslt_min_rows == 0 or on_cuda, "decode_cublaslt_min_rows",
                "CUDA only (it picks the BLAS library of CUDA decode graphs; unused without cuda_graphs)")
+        _check(self.verify_decode_rows is None or (isinstance(self.verify_decode_rows, int)
+                                                   and self.verify_decode_rows >= 0), "verify_decode_rows",
+               f"must be an int >= 0 or None, got {self.verify_decode_rows!r}")
+        if self.mode != Mode.DVR:  # no verify passes: nothing to carry
+            object.__setattr__(self, "verify_decode_rows", 0)
+        elif self.verify_decode_rows is None:
+            carry = self.attention_backend == "triton"
+            object.__setattr__(self, "verify_decode_rows", DEFAULT_VERIFY_DECODE_ROWS if carry else 0)
+        _check(self.verify_decode_rows == 0 or self.attention_backend in ("torch", "triton"), "verify_decode_rows",
+               f"the {self.attention_backend!r} attention backend cannot carry decode rows in a verify pass; "
+               "use triton or torch, or set it to 0")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

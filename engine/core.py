@@ -46,6 +46,7 @@ class EngineStats:
     recomputed_tokens: int = 0
     preemptions: int = 0
     verify_seconds: float = 0.0
+    carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
 
 
 @dataclass
@@ -238,9 +239,27 @@ class EngineCore:
         return touched
 
     def _verify(self, plan: Plan) -> list[Sequence]:
+        """The verify pass, and the decode step it carries (`plan.decode`): the carried rows' samples are
+        launched first and stay in flight like a decode step's; the verify rows are sampled and applied."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
-        logits = self.runner.verify([Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify])
+        carried = plan.decode
+        for seq in carried:
+            assert seq.inflight == 0 and seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len)
+        logits, carried_logits = self.runner.verify(
+            [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
+            [Row([s.last_token], s.kv_len, self._table(s)) for s in carried])
+        pending = deferred = None
+        if carried:
+            assert carried_logits is not None
+            specs_c = [(s.params, s.seed, s.num_tokens) for s in carried]
+            for seq in carried:
+                seq.kv_len += 1
+                seq.inflight += 1
+            deferred = sample_rows_deferred(carried_logits, specs_c) if self.config.overlap else None
+            pending = deferred if deferred is not None else PendingSamples(None, ready=sample_rows(carried_logits,
+                                                                                                   specs_c))
+            self.totals.carried_decode_rows += len(carried)
         w = logits.shape[1]
         flat = logits.view(-1, logits.shape[-1])  # [rows * W, vocab]; sampled where it lies (device or host)
         ids: list[int] = []
@@ -270,7 +289,14 @@ class EngineCore:
             self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
         self.totals.verify_passes += 1
         self.totals.verify_seconds += time.perf_counter() - t0
-        return [r.seq for r in plan.verify]
+        touched = [r.seq for r in plan.verify]
+        if carried:
+            assert self._inflight is None, "a verify pass with a decode step in flight"
+            assert pending is not None
+            self._inflight = InflightDecode(list(carried), pending, {s.key: j for j, s in enumerate(carried)})
+            if deferred is None:
+                touched += self._settle()
+        return touched
 
     def _commit(self, seq: Sequence, token: int, res: SampleResult) -> bool:
         """Append one committed token; judge finish conditions on committed tokens only."""

@@ -277,38 +277,48 @@ class DecodeGraphs:
 
 
 class VerifyGraph:
-    """One captured G x W verify pass (forward + logits of all G*W tokens) over static buffers."""
+    """One captured verify pass (forward + logits of all its tokens) over static buffers: G rows of W tokens,
+    then `carried` one-token decode rows (EngineConfig.verify_decode_rows; 0: none)."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, group: int, window: int, max_seq_len: int) -> None:
-        self.model, self.kv, self.group, self.window = model, kv, group, window
+    def __init__(self, model: torch.nn.Module, kv: KVCache, group: int, window: int, max_seq_len: int,
+                 carried: int = 0) -> None:
+        self.model, self.kv, self.group, self.window, self.carried = model, kv, group, window, carried
         self.max_blocks = -(-max_seq_len // kv.block_size)
-        self.static = _StaticPass(group, window, self.max_blocks, kv.k[0].device)
+        device = kv.k[0].device
+        self.rows, self.tokens = group + carried, group * window + carried
+        self.static = _StaticPass(self.rows, window, self.max_blocks, device)
+        starts = [r * window for r in range(group + 1)] + [group * window + i for i in range(1, carried + 1)]
+        self.qsl = torch.tensor(starts, dtype=torch.int32, device=device)  # Int[G + D + 1], fixed
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.bit_exact: bool | None = None
 
     def _forward(self) -> torch.Tensor:
-        ids, pos, slots, lens, tables, qsl = self.static.views(self.group)
-        meta = AttentionMetadata(kind=PassKind.VERIFY, slot_mapping=slots, query_start_loc=qsl,
-                                 seq_lens=lens, block_tables=tables)
+        st, n, r = self.static, self.tokens, self.rows
+        ids, pos, slots = st.i64[0, :n], st.i64[1, :n], st.i64[2, :n]
+        lens = st.i32[: st.max_rows][:r]
+        tables = st.i32[2 * st.r4:].view(st.max_rows, st.max_blocks)[:r]
+        meta = AttentionMetadata(kind=PassKind.VERIFY, slot_mapping=slots, query_start_loc=self.qsl,
+                                 seq_lens=lens, block_tables=tables, carried_rows=self.carried)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
     def stage(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
               slots: Sequence[int] | np.ndarray, seq_lens: Sequence[int] | np.ndarray,
               tables: Sequence[Sequence[int]] | np.ndarray) -> bool:
-        """All G*W tokens given (dummies included, as the model runner lays them out); tables as lists
-        or an Int[G, NB] array padded with block 0. False when a block table is wider than the captured
-        one (the caller then runs the pass eagerly)."""
-        if len(ids) != self.group * self.window or _widest(tables) > self.max_blocks:
+        """All G*W + D tokens of G + D rows given (dummies included, as the model runner lays them out);
+        tables as lists or an Int[G + D, NB] array padded with block 0. False when a block table is wider
+        than the captured one (the caller then runs the pass eagerly)."""
+        if len(ids) != self.tokens or len(seq_lens) != self.rows or _widest(tables) > self.max_blocks:
             return False
-        self.static.stage(self.group, ids, positions, slots, seq_lens, tables, 0, 0)
+        self.static.stage(self.rows, ids, positions, slots, seq_lens, tables, 0, 0)
         return True
 
     def stage_dummy(self, scratch_slot: int, zero_block: int = 0) -> None:
         """Inputs for capture that touch no live sequence: every token writes the scratch slot."""
-        n = self.group * self.window
-        self.static.stage(self.group, [0] * n, [0] * n, [scratch_slot] * n, [self.window] * self.group,
-                          [[zero_block]] * self.group, scratch_slot, zero_block)
+        n = self.tokens
+        self.static.stage(self.rows, [0] * n, [0] * n, [scratch_slot] * n,
+                          [self.window] * self.group + [1] * self.carried, [[zero_block]] * self.rows,
+                          scratch_slot, zero_block)
 
     @torch.inference_mode()
     def eager(self) -> torch.Tensor:

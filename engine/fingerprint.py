@@ -83,6 +83,8 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "sampler_impl": sampler_impl(device),
         "dtype": str(config.resolved_dtype).removeprefix("torch."),
     }
+    if config.verify_decode_rows:  # the verify pass's token count (its GEMM shape) is G*W + D
+        fp["verify_decode_rows"] = config.verify_decode_rows
     if config.mode == Mode.BATCH_INVARIANT and device.type == "cuda":
         # the GEMM's tile table (its bits measured shape-independent), the paged kernels' tile shapes
         from engine.attention.triton_paged import KERNEL_ID

@@ -149,19 +149,42 @@ class ModelRunner:
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def verify(self, rows: list[Row]) -> torch.Tensor:
-        """Exactly G x W tokens; returns [len(rows), W, vocab] (the dummy rows' logits are dropped)."""
-        g, w = self.config.group, self.config.window
+    def verify(self, rows: list[Row], carried: list[Row] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Exactly G x W verify tokens, then D = verify_decode_rows one-token decode rows (`carried`, dummy
+        rows after them). Returns ([len(rows), W, vocab] logits of the verify rows, the dummy rows' dropped;
+        [len(carried), vocab] logits of the carried rows, or None when D = 0). Under the verify graph both
+        are views of its output, valid until the next verify: the caller samples them at once."""
+        g, w, d = self.config.group, self.config.window, self.config.verify_decode_rows
+        carried = carried or []
         assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
-        if self.verify_graph is not None:
-            lay = self._layout(rows, pad_to=(g, w))
-            if self.verify_graph.stage(lay.ids, lay.positions, lay.slots, lay.seq_lens, lay.block_tables):
-                # a view of the graph's output: valid until the next verify; the caller samples it at once
-                return self.verify_graph.replay().float().view(g, w, -1)[: len(rows)]
-        hidden, _ = self._forward(PassKind.VERIFY, rows, pad_to=(g, w))
-        assert hidden.shape[0] == g * w, hidden.shape
-        logits = self.model.compute_logits(hidden).float()  # [G*W, vocab], one fixed GEMM shape
-        return logits.view(g, w, -1)[: len(rows)]
+        assert len(carried) <= d and all(len(r.tokens) == 1 for r in carried), "carried decode rows"
+        lay = self._layout(rows, pad_to=(g, w))
+        if d:
+            lay = _concat_layouts(lay, self._carried_layout(carried, d, g * w))
+        logits = None
+        if self.verify_graph is not None and self.verify_graph.stage(lay.ids, lay.positions, lay.slots,
+                                                                      lay.seq_lens, lay.block_tables):
+            logits = self.verify_graph.replay().float()
+        if logits is None:
+            input_ids, positions, meta = self._to_device(PassKind.VERIFY, lay, None, carried_rows=d)
+            hidden = self.model(input_ids, positions, meta, self.kv)
+            assert hidden.shape[0] == g * w + d, hidden.shape
+            logits = self.model.compute_logits(hidden).float()  # [G*W + D, vocab], one fixed GEMM shape
+        verify = logits[: g * w].view(g, w, -1)[: len(rows)]
+        return verify, (logits[g * w: g * w + len(carried)] if d else None)
+
+    def _carried_layout(self, carried: list[Row], d: int, first_index: int) -> Layout:
+        """The D one-token rows a verify pass carries: the real ones (their decode layout), then dummy rows
+        (token DUMMY_TOKEN at position 0, K/V to the scratch block, one key read from the zero block)."""
+        bs = self.config.block_size
+        real = self._layout(carried, pad_to=None) if carried else None
+        n = d - len(carried)
+        index = first_index + len(carried) + np.arange(n)
+        dummy = Layout(ids=np.full(n, DUMMY_TOKEN, np.int64), positions=np.zeros(n, np.int64),
+                       slots=SCRATCH_BLOCK * bs + index % bs, query_start_loc=np.arange(n + 1, dtype=np.int32),
+                       seq_lens=np.ones(n, np.int32), block_tables=np.full((n, 1), ZERO_BLOCK, np.int32))
+        return dummy if real is None else _concat_layouts(real, dummy)
 
     def _capture_graphs(self) -> None:
         """Decode graphs per padded batch size; the G x W verify graph only if it is bit-exact with the
@@ -199,7 +222,8 @@ class ModelRunner:
             # its row's seq_len), so one graph serves short and long rows at the same cost (while it was
             # capped at GRAPH_MAX_LEN, the 4k/1k set's verify passes all ran eagerly: 31.6 ms a pass, 15.0
             # with the graph)
-            graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, self.max_model_len)
+            graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, self.max_model_len,
+                                self.config.verify_decode_rows)
             graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
             graph.capture()
         except (ValueError, RuntimeError) as exc:
@@ -222,7 +246,7 @@ class ModelRunner:
         self._chain_ids(input_ids, chain)
         return self.model(input_ids, positions, meta, self.kv), meta
 
-    def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None
+    def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None, carried_rows: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """One host buffer (pinned on CUDA), one copy to the device; every tensor is a view of it.
 
@@ -253,6 +277,7 @@ class ModelRunner:
             block_tables=dev[offs[4]: offs[4] + r * nb].view(r, nb),
             canonical_rows=None if canonical is None else dev[offs[3]: offs[3] + r],
             canonical_step=canonical is not None and self.canonical_step,
+            carried_rows=carried_rows,
         )
         return i64[:t], i64[t: 2 * t], meta
 
@@ -305,6 +330,18 @@ class ModelRunner:
         return Layout(ids=ids, positions=np.minimum(pos, self.shape.max_model_len - 1), slots=slots,
                       query_start_loc=qsl.astype(np.int32), seq_lens=(start + per_row).astype(np.int32),
                       block_tables=tables)
+
+
+def _concat_layouts(a: Layout, b: Layout) -> Layout:
+    """Layout a's rows, then b's (b's query starts shifted, block tables padded to the wider one)."""
+    width = max(a.block_tables.shape[1], b.block_tables.shape[1])
+    tables = np.full((a.block_tables.shape[0] + b.block_tables.shape[0], width), ZERO_BLOCK, np.int32)
+    tables[: a.block_tables.shape[0], : a.block_tables.shape[1]] = a.block_tables
+    tables[a.block_tables.shape[0]:, : b.block_tables.shape[1]] = b.block_tables
+    return Layout(ids=np.concatenate([a.ids, b.ids]), positions=np.concatenate([a.positions, b.positions]),
+                  slots=np.concatenate([a.slots, b.slots]),
+                  query_start_loc=np.concatenate([a.query_start_loc, b.query_start_loc[1:] + a.query_start_loc[-1]]),
+                  seq_lens=np.concatenate([a.seq_lens, b.seq_lens]), block_tables=tables)
 
 
 DUMMY_PREFILL_ROW = 64  # dummy rows of a canonical prefill pass are this short: their attention costs ~nothing

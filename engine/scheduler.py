@@ -7,7 +7,7 @@ Policy per step (first that applies):
    all three); else a run of consecutive non-deterministic prompts batched under the token budget.
 2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
    nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
-   ready row).
+   ready row). The pass carries the decode step of up to verify_decode_rows other rows (`Plan.decode`).
 3. DECODE every running sequence that can take a fast-path token.
 Preemption (KV exhausted) evicts the newest running sequence; it re-enters the waiting queue's head and
 is rebuilt from its committed state (DVR: prompt alone, then its recorded windows teacher-forced).
@@ -43,7 +43,7 @@ class PrefillItem:
 class Plan:
     kind: StepKind
     prefill: list[PrefillItem] = field(default_factory=list)
-    decode: list[Sequence] = field(default_factory=list)
+    decode: list[Sequence] = field(default_factory=list)  # DECODE's rows; VERIFY: the decode rows it carries
     verify: list[VerifyRow] = field(default_factory=list)
     pass_tokens: int | None = None  # PREFILL: a canonical pass padded to exactly this many tokens
 
@@ -291,7 +291,25 @@ class Scheduler:
         granted = set(self._allocate([(s, verify_slots(s)) for s in taken]))
         built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index)
                  for s, index in picks if s in granted]
-        return Plan(StepKind.VERIFY, verify=built) if built else None
+        if not built:
+            return None
+        return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(granted)))
+
+    def _carried(self, decodable: list[Sequence], verified: set[Sequence]) -> list[Sequence]:
+        """The decode step a verify pass carries (EngineConfig.verify_decode_rows = D): up to D of the rows a
+        decode step would take now (running order), leaving out the pass's own rows. Their KV slot is taken
+        only where it is free: carrying never preempts (a row without one decodes in a later step)."""
+        d = self.config.verify_decode_rows
+        carried: list[Sequence] = []
+        for s in decodable:
+            if len(carried) >= d:
+                break
+            if s in verified or s.status != SeqStatus.RUNNING or s.inflight:
+                continue
+            if self.blocks.extra_blocks(seq_key(s), s.num_tokens) <= self.blocks.num_free:
+                self.blocks.ensure(seq_key(s), s.num_tokens)
+                carried.append(s)
+        return carried
 
     def _plan_decode(self, seqs: list[Sequence]) -> Plan | None:
         if not seqs:

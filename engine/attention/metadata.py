@@ -35,6 +35,10 @@ class AttentionMetadata:
     # (one canonical launch instead of the split kernel beside a canonical one; the other rows' bits are
     # free anyway). Backends that do not split decode ignore it.
     canonical_step: bool = False
+    # VERIFY only: the last `carried_rows` rows are one-token decode rows the pass carries beside its G rows of
+    # W tokens (EngineConfig.verify_decode_rows; dummy rows where fewer are carried). Backends give the G rows
+    # the verifier's numerics and the carried rows any decode numerics; no carried row changes a G row's bits.
+    carried_rows: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -90,9 +90,14 @@ class TorchAttention:
                 decode = _with_canonical_rows(decode, meta.canonical_rows, meta, starts, seq_lens, bpt, block_size)
             return AttentionPlan(slots, (), decode, bpt)
         if meta.kind is PassKind.VERIFY:
-            if len(set(counts)) != 1:
-                raise ValueError(f"VERIFY rows must all hold W tokens, got counts {counts}")
-            groups = (_tile_group(meta, range(len(counts)), starts, counts, seq_lens, bpt, block_size),)
+            gv = len(counts) - meta.carried_rows  # the G verify rows; carried one-token decode rows after them
+            if gv < 1 or len(set(counts[:gv])) != 1 or any(n != 1 for n in counts[gv:]):
+                raise ValueError(f"VERIFY rows must all hold W tokens (then {meta.carried_rows} carried one-token "
+                                 f"rows), got counts {counts}")
+            # the verify rows form the same tile group whatever is carried; the carried rows a group of their own
+            groups = (_tile_group(meta, range(gv), starts, counts, seq_lens, bpt, block_size),)
+            if meta.carried_rows:
+                groups += (_tile_group(meta, range(gv, len(counts)), starts, counts, seq_lens, bpt, block_size),)
         else:
             groups = tuple(
                 _tile_group(meta, [r], starts, counts, seq_lens, bpt, block_size)

@@ -352,6 +352,9 @@ class TritonPlan:
     one_query_per_row: bool        # DECODE with T == R: the split-KV decode kernel
     canonical_rows: torch.Tensor | None = None  # Int32[R] with one_query_per_row: 1 = the prefill kernel
     canonical_decode: bool = False  # decode="canonical", DECODE with T == R: every row the prefill kernel's bits
+    # VERIFY with carried decode rows (AttentionMetadata.carried_rows): the plan of those last rows, one query
+    # each, as a canonical decode step (the G verify rows before them keep this plan's prefill kernel)
+    carried: TritonPlan | None = None
 
 
 class TritonPagedAttention:
@@ -398,18 +401,27 @@ class TritonPagedAttention:
         if decode_shape:
             max_q = 1
         elif meta.kind is PassKind.VERIFY:
-            if num_tokens % num_rows:
-                raise ValueError(f"VERIFY rows must all hold W tokens: {num_tokens} tokens in {num_rows} rows")
-            max_q = num_tokens // num_rows
+            d = meta.carried_rows
+            if not 0 <= d < num_rows or (num_tokens - d) % (num_rows - d):
+                raise ValueError(f"VERIFY rows must all hold W tokens (then {d} carried one-token rows): "
+                                 f"{num_tokens} tokens in {num_rows} rows")
+            max_q = (num_tokens - d) // (num_rows - d)
         elif num_rows == 1:
             max_q = num_tokens
         else:
             max_q = int((meta.query_start_loc[1:] - meta.query_start_loc[:-1]).max().item())
         # decode="canonical" already sends every decode row through the prefill kernel
         canonical = _row_mask(meta.canonical_rows, num_rows) if one_per_row else None
-        return TritonPlan(meta.kind, meta.slot_mapping.to(torch.long), meta.query_start_loc, meta.seq_lens,
+        slots = meta.slot_mapping.to(torch.long)
+        carried = None
+        if meta.kind is PassKind.VERIFY and meta.carried_rows:
+            # the carried rows as a canonical decode step of their own (query starts rebased on the device)
+            gv, tv = num_rows - meta.carried_rows, num_tokens - meta.carried_rows
+            carried = TritonPlan(PassKind.DECODE, slots[tv:], meta.query_start_loc[gv:] - tv, meta.seq_lens[gv:],
+                                 meta.block_tables[gv:], 1, False, None, canonical_decode=True)
+        return TritonPlan(meta.kind, slots, meta.query_start_loc, meta.seq_lens,
                           meta.block_tables, max_q, one_per_row, canonical,
-                          canonical_decode=whole)
+                          canonical_decode=whole, carried=carried)
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
         """The stream canonical decode rows run on, beside the split kernel on the current stream (both
@@ -512,5 +524,16 @@ class TritonPagedAttention:
             return self._split_decode(q, k_cache, v_cache, plan, scale, None)
         if plan.canonical_decode:
             return _canonical_decode(q, k_cache, v_cache, plan, scale, None, None)
+        if plan.carried is not None:
+            # a verify pass carrying decode rows: the G rows of W tokens through the prefill kernel as in any
+            # verify pass (its grid and each row's arithmetic do not see the carried rows), then the carried
+            # rows through the canonical decode kernel; disjoint slices of one output
+            d = plan.carried.seq_lens.shape[0]
+            tv, gv = q.shape[0] - d, plan.seq_lens.shape[0] - d
+            out = torch.empty_like(q)
+            prefill_attention(q[:tv], k_cache, v_cache, plan.query_start_loc[: gv + 1], plan.seq_lens[:gv],
+                              plan.block_tables[:gv], scale, plan.max_query_len, out=out[:tv])
+            _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
+            return out
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
                                  scale, plan.max_query_len)

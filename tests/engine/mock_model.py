@@ -3,7 +3,8 @@
 PREFILL / VERIFY queries are computed one at a time over exactly their visible keys (float64), so a
 query's result depends only on its position and the cache, never on its window or row (the property
 the real attention backend guarantees). DECODE adds a perturbation that depends on the batch size,
-standing in for shape-dependent fast-path numerics, so fast-path tokens really do differ with load.
+standing in for shape-dependent fast-path numerics, so fast-path tokens really do differ with load; so
+does a VERIFY pass to the decode rows it carries (AttentionMetadata.carried_rows), never to its verify rows.
 """
 from __future__ import annotations
 
@@ -45,6 +46,10 @@ class MockModel:
         if meta.kind == PassKind.DECODE:
             rows = meta.num_rows
             x = x + self.decode_noise * (rows % 3) * torch.sin(torch.arange(self.hidden) * 0.7 + rows)
+        elif meta.kind == PassKind.VERIFY and meta.carried_rows:  # carried decode rows: fast-path numerics too
+            d = meta.carried_rows
+            x = x.clone()
+            x[-d:] += self.decode_noise * torch.sin(torch.arange(self.hidden) * 0.7 + d)
         return x
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
