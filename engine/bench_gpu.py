@@ -46,7 +46,8 @@ from typing import Any
 
 import torch
 
-from engine.config import RESERVED_BLOCKS, EngineConfig, resolve_decode_cublaslt_min_rows
+from engine.config import (DEFAULT_VERIFY_DECODE_ROWS, RESERVED_BLOCKS, EngineConfig,
+                           resolve_decode_cublaslt_min_rows)
 from engine.cuda_graphs import GRAPH_MAX_LEN
 
 SYNTHETIC_SECTIONS = ("bandwidth", "decode_step", "decode_breakdown", "lite_generate", "verify_cost",
@@ -615,6 +616,7 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
     bit-exact)."""
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
+    kw.setdefault("verify_decode_rows", ctx.args.verify_decode_rows)  # None: the engine's default (0 off dvr)
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
 
@@ -1463,6 +1465,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="triton_paged.set_query_tile for the whole run: the canonical kernels' query-tile rows "
                         "(prefill, verify, canonical decode; a different KERNEL_ID, other committed bits); "
                         "default: the module's (64)")
+    p.add_argument("--verify-decode-rows", type=int, default=None,
+                   help="EngineConfig.verify_decode_rows for every dvr engine of the run: the decode rows each "
+                        "verify pass carries (0 = off; another value, other committed bits); default: the "
+                        f"engine's ({DEFAULT_VERIFY_DECODE_ROWS} on the triton backend)")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1563,6 +1569,9 @@ def main(argv: list[str] | None = None) -> int:
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
                       "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,
+                      # decode rows a dvr verify pass carries (None: the engine's default)
+                      "verify_decode_rows": (DEFAULT_VERIFY_DECODE_ROWS if args.verify_decode_rows is None
+                                             else args.verify_decode_rows),
                       "attention_kernel": triton_paged.KERNEL_ID,
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
