@@ -1464,7 +1464,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--query-tile", type=int, choices=[16, 32, 64], default=None,
                    help="triton_paged.set_query_tile for the whole run: the canonical kernels' query-tile rows "
                         "(prefill, verify, canonical decode; a different KERNEL_ID, other committed bits); "
-                        "default: the module's (64)")
+                        "default: triton_paged.DEFAULT_QUERY_TILE (16)")
     p.add_argument("--verify-decode-rows", type=int, default=None,
                    help="EngineConfig.verify_decode_rows for every dvr engine of the run: the decode rows each "
                         "verify pass carries (0 = off; another value, other committed bits); default: the "

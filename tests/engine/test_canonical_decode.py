@@ -180,13 +180,14 @@ def _interpreter_main() -> None:
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
-    # a 16-row query tile (triton_paged.set_query_tile): the same claims with queries at rows p % 16
-    tp.set_query_tile(16)
+    # the 64-row query tile (the default until the eleventh session; the default is 16): the same claims with
+    # queries at rows p % 64
+    tp.set_query_tile(64)
     for dtype in (torch.float32, torch.bfloat16):
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
-    tp.set_query_tile(64)
+    tp.set_query_tile(tp.DEFAULT_QUERY_TILE)
     print("interpreter ok")
 
 
@@ -207,16 +208,16 @@ def test_set_query_tile_changes_the_kernel_identity() -> None:
     from engine.attention import triton_paged as tp
 
     base = tp.KERNEL_ID
-    assert tp.PREFILL_BLOCK_M == 64 and "-m64n" in base
+    assert tp.PREFILL_BLOCK_M == tp.DEFAULT_QUERY_TILE == 16 and "-m16n" in base
     try:
-        assert "-m16n" in tp.set_query_tile(16) and tp.KERNEL_ID != base and tp.PREFILL_BLOCK_M == 16
+        assert "-m64n" in tp.set_query_tile(64) and tp.KERNEL_ID != base and tp.PREFILL_BLOCK_M == 64
         # the fingerprint reads triton_paged.KERNEL_ID when it is built (CUDA configs only), as the backend does
         assert tp.TritonPagedAttention().kernel_id == tp.KERNEL_ID
         with pytest.raises(ValueError, match=r"query tile must be one of \(16, 32, 64\) rows, got 48"):
             tp.set_query_tile(48)
-        assert tp.PREFILL_BLOCK_M == 16  # a rejected value changes nothing
+        assert tp.PREFILL_BLOCK_M == 64  # a rejected value changes nothing
     finally:
-        tp.set_query_tile(64)
+        tp.set_query_tile(tp.DEFAULT_QUERY_TILE)
     assert tp.KERNEL_ID == base
 
 
