@@ -1465,6 +1465,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="triton_paged.set_query_tile for the whole run: the canonical kernels' query-tile rows "
                         "(prefill, verify, canonical decode; a different KERNEL_ID, other committed bits); "
                         "default: triton_paged.DEFAULT_QUERY_TILE (16)")
+    p.add_argument("--prefill-pass-tile", type=int, choices=[16, 32, 64], default=None,
+                   help="triton_paged.set_prefill_pass_tile for the whole run: the query tile of plain prefill "
+                        "passes (dvr and nondeterministic; batch_invariant keeps the canonical tile); default: "
+                        "the canonical tile")
     p.add_argument("--verify-decode-rows", type=int, default=None,
                    help="EngineConfig.verify_decode_rows for every dvr engine of the run: the decode rows each "
                         "verify pass carries (0 = off; another value, other committed bits); default: the "
@@ -1565,6 +1569,8 @@ def main(argv: list[str] | None = None) -> int:
         triton_paged.FUSE_ROPE_CANONICAL = args.fuse_rope_canonical == "on"
     if args.query_tile is not None:
         triton_paged.set_query_tile(args.query_tile)
+    if args.prefill_pass_tile is not None:
+        triton_paged.set_prefill_pass_tile(args.prefill_pass_tile)
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),

@@ -87,12 +87,12 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         fp["verify_decode_rows"] = config.verify_decode_rows
     if config.mode == Mode.BATCH_INVARIANT and device.type == "cuda":
         # the GEMM's tile table (its bits measured shape-independent), the paged kernels' tile shapes
-        from engine.attention.triton_paged import KERNEL_ID
+        from engine.attention.triton_paged import canonical_kernel_id
         from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
 
         fp["batch_invariant_kernels"] = "triton-paged-canonical"
         fp["bi_matmul"] = BI_MATMUL_ID
-        fp["attention_kernel"] = KERNEL_ID
+        fp["attention_kernel"] = canonical_kernel_id()  # every pass at the verifier's tile
     elif config.mode == Mode.BATCH_INVARIANT:  # the split size and the tile kernels fix the reduction order
         fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
         fp["batch_invariant_kernels"] = f"torch-tiles-{TILE_ROWS}"

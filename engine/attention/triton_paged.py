@@ -69,12 +69,41 @@ PREFILL_NUM_STAGES = 2
 PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in order (a multiple of BLOCK_N)
 
 
-def _kernel_id() -> str:
+# The query tile of plain PREFILL passes (TritonPagedAttention with decode="split": modes dvr and
+# nondeterministic), or None for PREFILL_BLOCK_M. Only the verifier's kernels (verify passes, canonical decode)
+# must share one tile: no committed bit needs a prompt's prefill to equal a verify pass over the same positions
+# (DVR prompts, their rebuilds and their replays are all prefill passes), while mode batch_invariant (whose
+# decode must equal its prefill) always keeps PREFILL_BLOCK_M. An experiment switch (eleventh session, not run
+# on a GPU, off): the 16-row tile seemed to cost long prompts' prefill (README); 64 is the tile the prefill
+# kernel ran with through the tenth session. `set_prefill_pass_tile`, bench --prefill-pass-tile.
+PREFILL_PASS_BLOCK_M: int | None = None
+
+
+def canonical_kernel_id() -> str:
+    """The verifier's kernels (and every kernel of mode batch_invariant): tile shapes and chunk."""
     return f"triton-paged-v2-m{PREFILL_BLOCK_M}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}c{PREFILL_CHUNK}"
+
+
+def _kernel_id() -> str:
+    """canonical_kernel_id, and the plain prefill passes' tile where it differs (`-p<rows>`)."""
+    p = PREFILL_PASS_BLOCK_M
+    return canonical_kernel_id() + ("" if p is None or p == PREFILL_BLOCK_M else f"-p{p}")
 
 
 KERNEL_ID = _kernel_id()
 QUERY_TILES = (16, 32, 64)  # the query-tile heights set_query_tile accepts
+
+
+def set_prefill_pass_tile(block_m: int | None) -> str:
+    """Make plain PREFILL passes' query tile `block_m` rows (None: the canonical tile) for this process, and
+    KERNEL_ID with it (a DVR prompt's first token and K/V come from a prefill pass, so its committed bits
+    follow this tile). Call it before any kernel runs. Returns the new KERNEL_ID."""
+    global PREFILL_PASS_BLOCK_M, KERNEL_ID
+    if block_m is not None and block_m not in QUERY_TILES:
+        raise ValueError(f"prefill pass tile must be None or one of {QUERY_TILES} rows, got {block_m}")
+    PREFILL_PASS_BLOCK_M = block_m
+    KERNEL_ID = _kernel_id()
+    return KERNEL_ID
 
 
 def set_query_tile(block_m: int) -> str:
@@ -153,8 +182,10 @@ def prefill_attention(
     max_query_len: int,
     out: torch.Tensor | None = None,  # [T, Hq, D]
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
+    block_m: int | None = None,       # query tile rows; None: PREFILL_BLOCK_M (the verifier's)
 ) -> torch.Tensor:
     """Causal attention of each query over its row's cache, window- and batch-invariant (module doc)."""
+    block_m = PREFILL_BLOCK_M if block_m is None else block_m
     triton, kernel, _, _ = _kernels()
     block_size, _, group = _check_cache(q, k_cache, v_cache)
     num_rows = seq_lens.shape[0]
@@ -162,7 +193,7 @@ def prefill_attention(
     head_dim = q.shape[2]
     # +1: a window that starts mid-tile spans one more absolute query tile than its length suggests
     # (a single query never does)
-    query_tiles = 1 if max_query_len <= 1 else triton.cdiv(max_query_len, PREFILL_BLOCK_M) + 1
+    query_tiles = 1 if max_query_len <= 1 else triton.cdiv(max_query_len, block_m) + 1
     grid = (num_rows, query_tiles, q.shape[1])
     kernel[grid](
         q, k_cache, v_cache, out,
@@ -174,7 +205,7 @@ def prefill_attention(
         out.stride(0), out.stride(1),
         block_tables.stride(0), block_tables.shape[1],
         BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, _next_pow2(head_dim)),
-        BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q),
+        BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=_dot_precision(q),
         HAS_ROW_MASK=only_rows is not None, CHUNK=PREFILL_CHUNK,
         num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
@@ -373,7 +404,9 @@ class TritonPagedAttention:
 
     @property
     def kernel_id(self) -> str:
-        return KERNEL_ID  # the module's, which set_query_tile changes
+        # the module's, which set_query_tile / set_prefill_pass_tile change; decode="canonical" (mode
+        # batch_invariant) runs every pass at the canonical tile
+        return canonical_kernel_id() if self.decode == "canonical" else KERNEL_ID
     # forward accepts k = v = None: this pass's K/V already sit in the cache at plan.slot_mapping (written by
     # the ops' rope_write_kv, in the RoPE launch), so the write_kv launches are skipped
     kv_prewritten = True
@@ -539,5 +572,8 @@ class TritonPagedAttention:
                               plan.block_tables[:gv], scale, plan.max_query_len, out=out[:tv])
             _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
             return out
+        # plain prefill passes may take their own tile (PREFILL_PASS_BLOCK_M); verify passes and every pass of
+        # decode="canonical" keep the verifier's
+        block_m = PREFILL_PASS_BLOCK_M if plan.kind is PassKind.PREFILL and self.decode == "split" else None
         return prefill_attention(q, k_cache, v_cache, plan.query_start_loc, plan.seq_lens, plan.block_tables,
-                                 scale, plan.max_query_len)
+                                 scale, plan.max_query_len, block_m=block_m)

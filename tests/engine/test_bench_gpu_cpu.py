@@ -65,10 +65,15 @@ def test_parse_args_defaults() -> None:
     assert args.fuse_rope_canonical is None and bg.parse_args(["--fuse-rope-canonical", "on"]).fuse_rope_canonical == "on"
     with pytest.raises(SystemExit):
         bg.parse_args(["--fuse-rope-canonical", "yes"])
-    # --query-tile: unset keeps the module's 64; 16 / 32 / 64 only
-    assert args.query_tile is None and bg.parse_args(["--query-tile", "16"]).query_tile == 16
+    # --query-tile: unset keeps the module's DEFAULT_QUERY_TILE (16); 16 / 32 / 64 only
+    assert args.query_tile is None and bg.parse_args(["--query-tile", "64"]).query_tile == 64
     with pytest.raises(SystemExit):
         bg.parse_args(["--query-tile", "48"])
+    # --prefill-pass-tile (plain prefill passes) and --verify-decode-rows (D): unset = the engine's
+    assert args.prefill_pass_tile is None and bg.parse_args(["--prefill-pass-tile", "64"]).prefill_pass_tile == 64
+    with pytest.raises(SystemExit):
+        bg.parse_args(["--prefill-pass-tile", "8"])
+    assert args.verify_decode_rows is None and bg.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 

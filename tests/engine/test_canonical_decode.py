@@ -110,6 +110,40 @@ def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, in
         assert not torch.equal(out, split), "the case is too easy: canonical and split rows agree bitwise"
 
 
+def check_prefill_pass_tile(device: str, dtype: torch.dtype) -> None:
+    """triton_paged.set_prefill_pass_tile: a PREFILL pass of the split-decode backend takes that tile (the
+    prefill kernel's bits at that block_m), a VERIFY pass and every pass of decode="canonical" keep the
+    canonical tile, and KERNEL_ID names the prefill tile only where it differs."""
+    from engine.attention import triton_paged as tp
+
+    h, hkv, d, bs = 4, 2, 16, 16
+    lens = [70, 9, 40]
+    case = make_paged_case(lens, [30, 9, 20], h, hkv, d, bs, dtype, device, seed=3)
+    scale = d ** -0.5
+    qsl, sl, bt = case["query_start_loc"], case["seq_lens"], case["block_tables"]
+    other = 64 if tp.PREFILL_BLOCK_M != 64 else 16
+    at = {m: tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], qsl, sl, bt, scale,
+                                  case["max_query_len"], block_m=m) for m in (tp.PREFILL_BLOCK_M, other)}
+    rows = torch.repeat_interleave(torch.arange(len(lens)), (qsl[1:] - qsl[:-1]).long().cpu())
+    pos = torch.cat([torch.arange(s - n, s) for s, n in zip(lens, [30, 9, 20])])
+    slots = (bt.long().cpu()[rows, pos // bs] * bs + pos % bs).to(device)
+    kc, vc = case["k_cache"], case["v_cache"]
+    k, v = kc.view(-1, hkv, d)[slots].clone(), vc.view(-1, hkv, d)[slots].clone()
+    base = tp.canonical_kernel_id()
+    try:
+        assert tp.set_prefill_pass_tile(other) == base + f"-p{other}"
+        split, canonical = tp.TritonPagedAttention(), tp.TritonPagedAttention(decode="canonical")
+        assert split.kernel_id == tp.KERNEL_ID and canonical.kernel_id == base
+        meta = AttentionMetadata(PassKind.PREFILL, slots, qsl, sl, bt)
+        assert torch.equal(split.forward(case["q"], k, v, kc, vc, split.plan(meta, bs), scale), at[other])
+        assert torch.equal(canonical.forward(case["q"], k, v, kc, vc, canonical.plan(meta, bs), scale),
+                           at[tp.PREFILL_BLOCK_M])
+        assert tp.set_prefill_pass_tile(tp.PREFILL_BLOCK_M) == base  # the same tile: no suffix
+    finally:
+        tp.set_prefill_pass_tile(None)
+    assert tp.KERNEL_ID == base
+
+
 def _patch_interpreter_index() -> None:
     """Triton 3.6's interpreter turns a scalar (a 1-element array there) into a Python int with
     `int(array)`, which NumPy >= 2.4 refuses for ndim > 0; `range()` over loaded bounds needs it."""
@@ -188,6 +222,9 @@ def _interpreter_main() -> None:
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
     tp.set_query_tile(tp.DEFAULT_QUERY_TILE)
+    tp.PREFILL_CHUNK = 256
+    for dtype in (torch.float32, torch.bfloat16):
+        check_prefill_pass_tile("cpu", dtype)
     print("interpreter ok")
 
 
@@ -223,6 +260,14 @@ def test_set_query_tile_changes_the_kernel_identity() -> None:
 
 def test_canonical_rows_under_the_triton_interpreter() -> None:
     run_under_triton_interpreter("tests.engine.test_canonical_decode")
+
+
+def test_set_prefill_pass_tile_checks_its_value() -> None:
+    from engine.attention import triton_paged as tp
+
+    with pytest.raises(ValueError, match=r"prefill pass tile must be None or one of \(16, 32, 64\) rows, got 8"):
+        tp.set_prefill_pass_tile(8)
+    assert tp.PREFILL_PASS_BLOCK_M is None and tp.KERNEL_ID == tp.canonical_kernel_id()
 
 
 def test_plan_rejects_a_mask_of_the_wrong_shape_or_dtype() -> None:
