@@ -1465,6 +1465,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="triton_paged.set_query_tile for the whole run: the canonical kernels' query-tile rows "
                         "(prefill, verify, canonical decode; a different KERNEL_ID, other committed bits); "
                         "default: triton_paged.DEFAULT_QUERY_TILE (16)")
+    p.add_argument("--concurrent-carried", choices=["on", "off"], default=None,
+                   help="set engine.attention.triton_paged.CONCURRENT_CARRIED for the whole run (a verify pass's "
+                        "carried decode rows on a second stream beside its verify rows); default: the module's")
     p.add_argument("--prefill-pass-tile", type=int, choices=[16, 32, 64], default=None,
                    help="triton_paged.set_prefill_pass_tile for the whole run: the query tile of plain prefill "
                         "passes (dvr and nondeterministic; batch_invariant keeps the canonical tile); default: "
@@ -1571,10 +1574,14 @@ def main(argv: list[str] | None = None) -> int:
         triton_paged.set_query_tile(args.query_tile)
     if args.prefill_pass_tile is not None:
         triton_paged.set_prefill_pass_tile(args.prefill_pass_tile)
+    if args.concurrent_carried is not None:
+        triton_paged.CONCURRENT_CARRIED = args.concurrent_carried == "on"
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
                       "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,
+                      "concurrent_carried": triton_paged.CONCURRENT_CARRIED,
+                      "prefill_pass_tile": triton_paged.PREFILL_PASS_BLOCK_M,
                       # decode rows a dvr verify pass carries (None: the engine's default)
                       "verify_decode_rows": (DEFAULT_VERIFY_DECODE_ROWS if args.verify_decode_rows is None
                                              else args.verify_decode_rows),

@@ -136,6 +136,12 @@ DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
 # (--fuse-rope-canonical) switch it per run. With canonical rows the committed bits depend on it only through
 # the K/V it stores, which the tests compare.
 FUSE_ROPE_CANONICAL = True
+# A verify pass's carried decode rows (AttentionMetadata.carried_rows) on the side stream, their canonical
+# decode kernel beside the verify rows' prefill kernel (disjoint slices of one output; a CUDA graph captures
+# the fork and join as two branches, as for a decode step's canonical rows). The same kernels on the same
+# inputs: the same bits. Written in the eleventh session after the device time was spent, off, not run on a
+# GPU; bench --concurrent-carried on|off.
+CONCURRENT_CARRIED = False
 _LOG2E = 1.4426950408889634
 
 
@@ -568,9 +574,17 @@ class TritonPagedAttention:
             d = plan.carried.seq_lens.shape[0]
             tv, gv = q.shape[0] - d, plan.seq_lens.shape[0] - d
             out = torch.empty_like(q)
+            side = self._side_stream(q.device) if CONCURRENT_CARRIED else None
+            if side is not None:  # the carried rows beside the verify rows (CONCURRENT_CARRIED)
+                side.wait_stream(torch.cuda.current_stream(q.device))
+                with torch.cuda.stream(side):
+                    _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
             prefill_attention(q[:tv], k_cache, v_cache, plan.query_start_loc[: gv + 1], plan.seq_lens[:gv],
                               plan.block_tables[:gv], scale, plan.max_query_len, out=out[:tv])
-            _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
+            if side is not None:
+                torch.cuda.current_stream(q.device).wait_stream(side)
+            else:
+                _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
             return out
         # plain prefill passes may take their own tile (PREFILL_PASS_BLOCK_M); verify passes and every pass of
         # decode="canonical" keep the verifier's

@@ -74,6 +74,7 @@ def test_parse_args_defaults() -> None:
     with pytest.raises(SystemExit):
         bg.parse_args(["--prefill-pass-tile", "8"])
     assert args.verify_decode_rows is None and bg.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
+    assert args.concurrent_carried is None and bg.parse_args(["--concurrent-carried", "on"]).concurrent_carried == "on"
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 

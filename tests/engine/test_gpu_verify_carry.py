@@ -66,3 +66,25 @@ def test_carried_attention_on_cuda(dtype: torch.dtype) -> None:
 
     check_carried_attention("triton", "cuda", dtype, (32, 8, 128, 16), [300, 1000, 64, 2000],
                             [5, 4097, 700, 1, 256, 257], window=32)
+
+
+def test_concurrent_carried_rows_give_the_same_bits(make_real_llm: Any, smollm2_source: Any) -> None:  # noqa: F811
+    """triton_paged.CONCURRENT_CARRIED (written after the eleventh session's device time, not yet run): the
+    carried rows' kernel on the side stream, eager and captured in the verify graph, changes no bit."""
+    from engine.attention import triton_paged as tp
+
+    prompts, params = _workload(smollm2_source.tokenizer)
+    cfg = dict(window=16, group=4, num_kv_blocks=600, cuda_graphs=True, max_num_seqs=16)
+    want = staggered(make_real_llm(**cfg), prompts, params, every=2, seed=3)
+    tp.CONCURRENT_CARRIED = True
+    try:
+        llm = make_real_llm(**cfg)
+        assert "+verify" in llm.core.runner.graphs_status, llm.core.runner.graphs_status
+        got = staggered(llm, prompts, params, every=2, seed=3)
+        eager = staggered(make_real_llm(**{**cfg, "cuda_graphs": False}), prompts, params, every=2, seed=3)
+    finally:
+        tp.CONCURRENT_CARRIED = False
+    assert_same(want, got)
+    assert_same(want, eager)
+    # the fast path's tokens (the carried rows' candidates) are the same too: same kernels, same inputs
+    assert [o.rollbacks for o in want] == [o.rollbacks for o in got]
