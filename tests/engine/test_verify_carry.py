@@ -211,3 +211,28 @@ def test_carried_attention_under_the_triton_interpreter() -> None:
     from tests.engine.test_canonical_decode import run_under_triton_interpreter
 
     run_under_triton_interpreter("tests.engine.test_verify_carry")
+
+
+def test_carrying_never_preempts_and_skips_rows_without_a_free_slot() -> None:
+    """Scheduler._carried: rows in running order, at most D, not the pass's own rows; a row whose next slot
+    needs a block that is not free is left to a later decode step (no preemption, nothing allocated)."""
+    from engine.scheduler import Scheduler, seq_key
+    from engine.sequence import Sequence, SeqKind, SeqStatus
+
+    config = EngineConfig(device="cpu", window=4, group=2, block_size=4, num_kv_blocks=6, verify_decode_rows=2)
+    sched = Scheduler(config, {1})
+    seqs = []
+    for i, prompt_len in enumerate([4, 3, 3, 2]):
+        s = Sequence(f"r{i}", [5] * prompt_len, SamplingParams(max_tokens=20), i, SeqKind.FAST, i,
+                     status=SeqStatus.RUNNING)
+        s.tokens = [7]  # the next decode step writes position prompt_len: slot prompt_len + 1 needed
+        s.kv_len = prompt_len
+        sched.blocks.ensure(seq_key(s), prompt_len + 1 if prompt_len < 4 else 4)
+        sched.running.append(s)
+        seqs.append(s)
+    assert sched.blocks.num_free == 0  # 4 usable blocks, one per row
+    # r0 (4 prompt tokens) needs a second block for its fifth slot, none is free: skipped; r1 is verified
+    carried = sched._carried(seqs, {seqs[1]})
+    assert carried == [seqs[2], seqs[3]] and sched.preemptions == 0
+    assert len(sched.blocks.table(seq_key(seqs[0]))) == 1
+    assert sched._carried(seqs, set()) == [seqs[1], seqs[2]]  # at most D, running order
