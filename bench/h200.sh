@@ -9,7 +9,8 @@
 # and SmolLM2, SmolLM2 rollback rates), sweep (W/G sweep), long (the 4k-in/1k-out set), canonical (what a
 # decode step pays for canonical DVR rows: bench/canonical_step_probe.py), step (GEMM / decode / verify kernel
 # breakdown and verify beside decode on two streams: bench/step_probe.py;
-# STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size).
+# STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size), levers (the
+# mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -69,6 +70,14 @@ stage_long() {
 
 stage_step() {
   timeout "${STEP_TIMEOUT:-240}" python3 bench/step_probe.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | grep -v Warn | tail -14
+}
+
+stage_levers() {  # the eleventh session's switches that are off, each beside main's defaults (stage modes / long)
+  timeout "${LEVERS_TIMEOUT:-250}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets sharegpt,sharegpt-896x640 --deadline-s 200 --concurrent-carried on --out "$OUT" \
+    --name gpu-bench-modes-mixes-concurrent-carried 2>&1 | tail -25
+  timeout "${LEVERS_TIMEOUT:-300}" python3 -m engine bench --device cuda --sections long --prefill-pass-tile 64 \
+    --out "$OUT" --name gpu-bench-long-prefill64 2>&1 | tail -25
 }
 
 stage_canonical() {
