@@ -119,3 +119,20 @@ def test_fingerprint_fields_and_short_hash() -> None:
     assert fp["window"] == 8 and fp["group"] == 4 and fp["sampler"] == "verbatim-gumbel-splitmix64-v1"
     assert re.fullmatch(r"fp_[0-9a-f]{12}", engine.system_fingerprint())
     assert _engine(window=16).system_fingerprint() != engine.system_fingerprint()
+
+
+async def test_streams_with_carried_decode_rows_match_offline() -> None:
+    """verify_decode_rows: deterministic streams beside non-deterministic ones, whose decode steps ride in the
+    verify passes, give the offline bits; the non-deterministic streams finish too, carried or not."""
+    prompts, params = det_workload(8, 64, max_tokens=(10, 25), seed=4)
+    fast = [SamplingParams(max_tokens=18, temperature=0.9, seed=40 + i, ignore_eos=True) for i in range(6)]
+    engine = _engine(verify_decode_rows=4, overlap=True)
+    await engine.start()
+    try:
+        streams = await asyncio.gather(*[_collect(engine, p, sp) for p, sp in zip(prompts, params)],
+                                       *[_collect(engine, prompts[i][::-1], sp) for i, sp in enumerate(fast)])
+    finally:
+        await engine.shutdown()
+    assert_same([s[-1] for s in streams[: len(prompts)]], _offline(prompts, params))
+    assert all(s[-1].finished and len(s[-1].token_ids) == 18 for s in streams[len(prompts):])
+    assert engine.stats().carried_decode_rows > 0
