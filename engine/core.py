@@ -19,6 +19,7 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,6 +29,9 @@ from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, apply_dvr, apply_teacher, window_applies
+
+if TYPE_CHECKING:
+    import torch
 
 Detokenize = Callable[[list[int]], str]
 
@@ -202,18 +206,28 @@ class EngineCore:
         assert chain is not None or all(s.inflight == 0 for s in plan.decode), "an in-flight token with no step"
         logits = self.runner.decode(rows, chain=chain)  # [R, vocab]
         self.totals.decode_passes += 1
-        specs = [(s.params, s.seed, s.num_tokens) for s in plan.decode]
-        for seq in plan.decode:
+        pending, stays = self._launch_samples(plan.decode, logits)
+        touched = self._settle()
+        return touched + self._hold(plan.decode, pending, stays)
+
+    def _launch_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[PendingSamples, bool]:
+        """Sample a decode step of `seqs` (their K/V for it written: kv_len and inflight grow by one) from
+        logits [R, vocab]: on the device without waiting (overlap), else, or where a row needs the host
+        sampler (top-k / top-p, top logprobs), now. Returns the samples and whether they may stay in flight."""
+        specs = [(s.params, s.seed, s.num_tokens) for s in seqs]
+        for seq in seqs:
             seq.kv_len += 1
             seq.inflight += 1
         deferred = sample_rows_deferred(logits, specs) if self.config.overlap else None
-        # sampled now when overlap is off or a row needs the host sampler (top-k / top-p, top logprobs)
-        pending = deferred if deferred is not None else PendingSamples(None, ready=sample_rows(logits, specs))
-        touched = self._settle()
-        self._inflight = InflightDecode(list(plan.decode), pending, {s.key: j for j, s in enumerate(plan.decode)})
-        if deferred is None:
-            touched += self._settle()
-        return touched
+        if deferred is not None:
+            return deferred, True
+        return PendingSamples(None, ready=sample_rows(logits, specs)), False
+
+    def _hold(self, seqs: list[Sequence], samples: PendingSamples, stays: bool) -> list[Sequence]:
+        """Make this step of `seqs` the in-flight one; it is applied at once unless it may stay in flight."""
+        assert self._inflight is None, "a decode step launched with another in flight"
+        self._inflight = InflightDecode(list(seqs), samples, {s.key: j for j, s in enumerate(seqs)})
+        return [] if stays else self._settle()
 
     def _settle(self) -> list[Sequence]:
         """Apply the in-flight decode step's samples (waits for them): commit (non-deterministic rows) or
@@ -249,16 +263,9 @@ class EngineCore:
         logits, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
             [Row([s.last_token], s.kv_len, self._table(s)) for s in carried])
-        pending = deferred = None
         if carried:
             assert carried_logits is not None
-            specs_c = [(s.params, s.seed, s.num_tokens) for s in carried]
-            for seq in carried:
-                seq.kv_len += 1
-                seq.inflight += 1
-            deferred = sample_rows_deferred(carried_logits, specs_c) if self.config.overlap else None
-            pending = deferred if deferred is not None else PendingSamples(None, ready=sample_rows(carried_logits,
-                                                                                                   specs_c))
+            pending, stays = self._launch_samples(carried, carried_logits)
             self.totals.carried_decode_rows += len(carried)
         w = logits.shape[1]
         flat = logits.view(-1, logits.shape[-1])  # [rows * W, vocab]; sampled where it lies (device or host)
@@ -290,13 +297,7 @@ class EngineCore:
         self.totals.verify_passes += 1
         self.totals.verify_seconds += time.perf_counter() - t0
         touched = [r.seq for r in plan.verify]
-        if carried:
-            assert self._inflight is None, "a verify pass with a decode step in flight"
-            assert pending is not None
-            self._inflight = InflightDecode(list(carried), pending, {s.key: j for j, s in enumerate(carried)})
-            if deferred is None:
-                touched += self._settle()
-        return touched
+        return touched + (self._hold(carried, pending, stays) if carried else [])
 
     def _commit(self, seq: Sequence, token: int, res: SampleResult) -> bool:
         """Append one committed token; judge finish conditions on committed tokens only."""

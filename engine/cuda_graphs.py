@@ -76,10 +76,14 @@ class _StaticPass:
 
     def views(self, rows: int) -> tuple[torch.Tensor, ...]:
         """ids, positions, slots, seq_lens, block_tables, query_start_loc of the first `rows` rows."""
-        n = rows * self.tokens_per_row
+        return (*self.token_views(rows, rows * self.tokens_per_row), self.qsl[: rows + 1])
+
+    def token_views(self, rows: int, tokens: int) -> tuple[torch.Tensor, ...]:
+        """ids, positions, slots of the first `tokens` tokens, seq_lens and block_tables of the first `rows`
+        rows (a pass whose rows are not all tokens_per_row long brings its own query starts)."""
         lens = self.i32[: self.max_rows][:rows]
         tables = self.i32[2 * self.r4:].view(self.max_rows, self.max_blocks)[:rows]
-        return self.i64[0, :n], self.i64[1, :n], self.i64[2, :n], lens, tables, self.qsl[: rows + 1]
+        return self.i64[0, :tokens], self.i64[1, :tokens], self.i64[2, :tokens], lens, tables
 
     def _stage_tables(self, rows: int, tables: Sequence[Sequence[int]] | np.ndarray, pad_block: int) -> None:
         """Rows of block lists are rewritten only where they differ from what the row already holds
@@ -294,10 +298,7 @@ class VerifyGraph:
         self.bit_exact: bool | None = None
 
     def _forward(self) -> torch.Tensor:
-        st, n, r = self.static, self.tokens, self.rows
-        ids, pos, slots = st.i64[0, :n], st.i64[1, :n], st.i64[2, :n]
-        lens = st.i32[: st.max_rows][:r]
-        tables = st.i32[2 * st.r4:].view(st.max_rows, st.max_blocks)[:r]
+        ids, pos, slots, lens, tables = self.static.token_views(self.rows, self.tokens)
         meta = AttentionMetadata(kind=PassKind.VERIFY, slot_mapping=slots, query_start_loc=self.qsl,
                                  seq_lens=lens, block_tables=tables, carried_rows=self.carried)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))

@@ -304,7 +304,7 @@ class Scheduler:
         for s in decodable:
             if len(carried) >= d:
                 break
-            if s in verified or s.status != SeqStatus.RUNNING or s.inflight:
+            if s in verified or s.status != SeqStatus.RUNNING:  # the pass's own rows, or preempted for it
                 continue
             if self.blocks.extra_blocks(seq_key(s), s.num_tokens) <= self.blocks.num_free:
                 self.blocks.ensure(seq_key(s), s.num_tokens)

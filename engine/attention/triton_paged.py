@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -534,19 +535,35 @@ class TritonPagedAttention:
         splits = decode_num_splits(plan.block_tables.shape[1] * k_cache.shape[1], split_size)
         ws = self.workspace(q.shape[0], q.shape[1], q.shape[2], splits, q.device)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        side = self._side_stream(q.device) if plan.canonical_rows is not None else None
-        if side is not None:  # the canonical rows on a second stream, concurrent with the split rows
-            side.wait_stream(torch.cuda.current_stream(q.device))
-            with torch.cuda.stream(side):
-                _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows, rope)
-        decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
-                         workspace=ws, out=out, split_size=split_size, skip_rows=plan.canonical_rows,
-                         merge=self.merge, rope=rope)
-        if side is not None:
-            torch.cuda.current_stream(q.device).wait_stream(side)
-        elif plan.canonical_rows is not None:
-            _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows, rope)
+
+        def split() -> None:
+            decode_attention(q, k_cache, v_cache, plan.seq_lens, plan.block_tables, scale,
+                             workspace=ws, out=out, split_size=split_size, skip_rows=plan.canonical_rows,
+                             merge=self.merge, rope=rope)
+
+        if plan.canonical_rows is None:
+            split()
+        else:  # the canonical rows on a second stream, concurrent with the split rows
+            self._beside(q.device, True, split,
+                         lambda: _canonical_decode(q, k_cache, v_cache, plan, scale, out, plan.canonical_rows, rope))
         return out
+
+    def _beside(self, device: torch.device, concurrent: bool, main: Callable[[], object],
+                beside: Callable[[], object]) -> None:
+        """`beside` on the side stream concurrently with `main` on the current one (fork before, join after)
+        where `concurrent` and there is a side stream (_side_stream); else `main`, then `beside`. The two
+        write disjoint outputs; the kernels and their inputs are the same either way, so are the bits."""
+        side = self._side_stream(device) if concurrent else None
+        if side is None:
+            main()
+            beside()
+            return
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            beside()
+        main()
+        current.wait_stream(side)
 
     def forward(
         self,
@@ -574,17 +591,11 @@ class TritonPagedAttention:
             d = plan.carried.seq_lens.shape[0]
             tv, gv = q.shape[0] - d, plan.seq_lens.shape[0] - d
             out = torch.empty_like(q)
-            side = self._side_stream(q.device) if CONCURRENT_CARRIED else None
-            if side is not None:  # the carried rows beside the verify rows (CONCURRENT_CARRIED)
-                side.wait_stream(torch.cuda.current_stream(q.device))
-                with torch.cuda.stream(side):
-                    _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
-            prefill_attention(q[:tv], k_cache, v_cache, plan.query_start_loc[: gv + 1], plan.seq_lens[:gv],
-                              plan.block_tables[:gv], scale, plan.max_query_len, out=out[:tv])
-            if side is not None:
-                torch.cuda.current_stream(q.device).wait_stream(side)
-            else:
-                _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None)
+            self._beside(q.device, CONCURRENT_CARRIED,
+                         lambda: prefill_attention(q[:tv], k_cache, v_cache, plan.query_start_loc[: gv + 1],
+                                                   plan.seq_lens[:gv], plan.block_tables[:gv], scale,
+                                                   plan.max_query_len, out=out[:tv]),
+                         lambda: _canonical_decode(q[tv:], k_cache, v_cache, plan.carried, scale, out[tv:], None))
             return out
         # plain prefill passes may take their own tile (PREFILL_PASS_BLOCK_M); verify passes and every pass of
         # decode="canonical" keep the verifier's

@@ -54,9 +54,6 @@ def test_carried_rows_change_no_committed_bit_on_cuda(make_real_llm: Any, smollm
     print(f"[carry] carried rows {stats.carried_decode_rows} in {stats.verify_passes} passes, "
           f"{stats.decode_passes} decode passes, {stats.rollbacks} rollbacks")
     assert stats.carried_decode_rows > 0
-    off = make_real_llm(verify_decode_rows=0, **cfg).generate(prompts, params)
-    same = [o.token_logprobs for o in off] == [o.token_logprobs for o in batched]
-    print(f"[carry] D=0 gives the same bits as D=64: {same}")  # not required: another pass shape
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
