@@ -10,7 +10,8 @@
 # decode step pays for canonical DVR rows: bench/canonical_step_probe.py), step (GEMM / decode / verify kernel
 # breakdown and verify beside decode on two streams: bench/step_probe.py;
 # STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size), levers (the
-# mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off).
+# mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off),
+# vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -70,6 +71,10 @@ stage_long() {
 
 stage_step() {
   timeout "${STEP_TIMEOUT:-240}" python3 bench/step_probe.py --out "$OUT" ${STEP_ARGS:-} 2>&1 | grep -v Warn | tail -14
+}
+
+stage_vprobe() {  # the canonical decode kernel's grid: verify pass with carried rows, canonical decode step
+  timeout "${VPROBE_TIMEOUT:-200}" python3 bench/verify_probe.py --out "$OUT" ${VPROBE_ARGS:-} 2>&1 | grep -v Warn | tail -20
 }
 
 stage_levers() {  # the eleventh session's switches that are off, each beside main's defaults (stage modes / long)

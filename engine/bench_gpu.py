@@ -1468,6 +1468,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrent-carried", choices=["on", "off"], default=None,
                    help="set engine.attention.triton_paged.CONCURRENT_CARRIED for the whole run (a verify pass's "
                         "carried decode rows on a second stream beside its verify rows); default: the module's")
+    p.add_argument("--chunk-programs", type=int, default=None,
+                   help="set engine.attention.triton_canonical_decode.CHUNK_PROGRAMS for the whole run (the canonical "
+                        "decode kernel's programs per launch it aims at; 0 = one program per key chunk of the "
+                        "table; the bits do not depend on it); default: the module's")
     p.add_argument("--prefill-pass-tile", type=int, choices=[16, 32, 64], default=None,
                    help="triton_paged.set_prefill_pass_tile for the whole run: the query tile of plain prefill "
                         "passes (dvr and nondeterministic; batch_invariant keeps the canonical tile); default: "
@@ -1576,11 +1580,16 @@ def main(argv: list[str] | None = None) -> int:
         triton_paged.set_prefill_pass_tile(args.prefill_pass_tile)
     if args.concurrent_carried is not None:
         triton_paged.CONCURRENT_CARRIED = args.concurrent_carried == "on"
+    from engine.attention import triton_canonical_decode
+
+    if args.chunk_programs is not None:
+        triton_canonical_decode.CHUNK_PROGRAMS = args.chunk_programs
     result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
                       "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,
                       "concurrent_carried": triton_paged.CONCURRENT_CARRIED,
+                      "chunk_programs": triton_canonical_decode.CHUNK_PROGRAMS,
                       "prefill_pass_tile": triton_paged.PREFILL_PASS_BLOCK_M,
                       # decode rows a dvr verify pass carries (None: the engine's default)
                       "verify_decode_rows": (DEFAULT_VERIFY_DECODE_ROWS if args.verify_decode_rows is None

@@ -24,6 +24,24 @@ from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk, rop
 
 _CHECKED: dict[tuple, bool] = {}  # check_key(...) -> agrees
 
+# Programs per (row, KV head) = P: program p reduces key chunks p, p + P, p + 2P, ... of its row, so the grid
+# is R x Hkv x P rather than one program per chunk of the table's width. A captured graph's table is as wide
+# as its family's longest row (4096 or 8192 keys: 16 or 32 chunks) while most rows hold a chunk or two, and
+# a program past its row's keys still costs a launch: R x Hkv x 32 of them on a verify pass's 64 carried
+# rows (16384 programs a layer, 512 with work). P is chosen so that R x Hkv x P reaches CHUNK_PROGRAMS
+# (capped at the table's chunk count: a small batch keeps one program per chunk); 0 keeps one program per
+# chunk. Each chunk's arithmetic and the merge order are the same for any P, so the bits do not depend on
+# it (tests compare P = 1 .. chunks against the prefill kernel).
+CHUNK_PROGRAMS = 2048
+
+
+def chunk_programs(num_rows: int, num_kv_heads: int, num_chunks: int) -> int:
+    """P of a launch (see CHUNK_PROGRAMS): a function of the grid's static shape, never of the rows' lengths
+    (a captured graph keeps it)."""
+    if CHUNK_PROGRAMS <= 0:
+        return num_chunks
+    return max(1, min(num_chunks, -(-CHUNK_PROGRAMS // max(1, num_rows * num_kv_heads))))
+
 
 def check_key(device: torch.device | str, dtype: torch.dtype, group: int, head_dim: int) -> tuple:
     """The key of `packed_matches_prefill`'s per-process result: device, dtype, head shape and the query tile
@@ -53,11 +71,13 @@ def _canonical_decode_kernel(
         if tl.load(row_mask_ptr + r) == 0:
             return
     kvh = tl.program_id(1)
-    c = tl.program_id(2)                                     # this program's key chunk
+    cp = tl.program_id(2)                                    # chunks cp, cp + P, cp + 2P, ... (P = grid dim 2)
+    n_progs = tl.num_programs(2)
     seq_len = tl.load(seq_lens_ptr + r)
     n_chunks = tl.cdiv(seq_len, CHUNK)
-    if c >= n_chunks:  # past the row's keys: no work, not counted
+    if cp >= n_chunks:  # past the row's keys: no work, not counted
         return
+    mine = tl.cdiv(n_chunks - cp, n_progs)                  # how many chunks this program reduces
     mrow = tl.arange(0, BLOCK_M)                            # MMA row i < GROUP: query head kvh*GROUP + i
     live = mrow < GROUP
     heads = kvh * GROUP + mrow
@@ -68,7 +88,7 @@ def _canonical_decode_kernel(
         q = rope_q(q_ptr + r * stride_qt + heads[:, None] * stride_qh, live[:, None] & d_mask[None, :], lo, partner,
                    cos, sin, offs_d)
         q = q.to(k_ptr.dtype.element_ty)  # [BM, BD]
-        if c == (seq_len - 1) // CHUNK:  # the program whose chunk holds this step's key
+        if (n_chunks - 1) % n_progs == cp:  # the program whose chunks include the one holding this step's key
             rope_store_kv(kraw_ptr, vraw_ptr, r, stride_krt, stride_krh, stride_vrt, stride_vrh, lo, partner, cos, sin,
                           slot_ptr, k_ptr, v_ptr, kvh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                           offs_d, d_mask, BLOCK_SIZE)
@@ -77,49 +97,51 @@ def _canonical_decode_kernel(
         q = tl.load(q_ptr + r * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=live[:, None] & d_mask[None, :], other=0.0).to(k_ptr.dtype.element_ty)  # [BM, BD]
 
-    # the prefill kernel's chunk loop body, with every live row's query at position `pos`
     tiles_per_chunk: tl.constexpr = CHUNK // BLOCK_N
     pos = seq_len - 1
     num_tiles = tl.cdiv(seq_len, BLOCK_N)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
-        kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
-        k_valid = kpos < seq_len
-        k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
-                            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
-        s = tl.where(causal, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
     out_mask = live[:, None] & d_mask[None, :]
-    if n_chunks == 1:  # the whole row in this program: merge into the empty total, as the prefill kernel
-        m_run, l_run, acc_run = merge_chunk(tl.full([BLOCK_M], float("-inf"), tl.float32),
-                                            tl.zeros([BLOCK_M], tl.float32),
-                                            tl.zeros([BLOCK_M, BLOCK_D], tl.float32), m_i, l_i, acc)
-        out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-        tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=out_mask)
-    else:
-        # park this chunk's (max, sum, acc); the last of the row's chunk programs (per KV head) merges them
-        # in increasing chunk order. Ordering (CUTLASS's semaphore pattern): the barrier puts every thread's
-        # stores before the acq_rel atomic; the merging program's barrier after its atomic puts the acquire
-        # before its loads, which bypass L1 (.cg). No program waits on another.
-        tl.store(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + c, m_i, mask=live)
-        tl.store(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + c, l_i, mask=live)
-        tl.store(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + c * stride_ma_c
-                 + offs_d[None, :], acc, mask=out_mask)
+    for c in range(cp, n_chunks, n_progs):
+        # the prefill kernel's chunk loop body, with every live row's query at position `pos`
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        for kt in range(c * tiles_per_chunk, tl.minimum(c * tiles_per_chunk + tiles_per_chunk, num_tiles)):
+            kpos = kt * BLOCK_N + tl.arange(0, BLOCK_N)
+            k_valid = kpos < seq_len
+            k, v = load_kv_tile(k_ptr, v_ptr, bt_ptr, r, stride_bt, table_cols, kpos, k_valid, kvh, offs_d, d_mask,
+                                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, BLOCK_SIZE)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            causal = (kpos[None, :] <= (pos + 0 * mrow)[:, None]) & k_valid[None, :]
+            s = tl.where(causal, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+        if n_chunks == 1:  # the whole row in this program: merge into the empty total, as the prefill kernel
+            m_run, l_run, acc_run = merge_chunk(tl.full([BLOCK_M], float("-inf"), tl.float32),
+                                                tl.zeros([BLOCK_M], tl.float32),
+                                                tl.zeros([BLOCK_M, BLOCK_D], tl.float32), m_i, l_i, acc)
+            out = acc_run / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+            tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
+                     out.to(o_ptr.dtype.element_ty), mask=out_mask)
+        else:  # park this chunk's (max, sum, acc) for the merge
+            tl.store(mid_m_ptr + r * stride_ml_t + heads * stride_ml_h + c, m_i, mask=live)
+            tl.store(mid_l_ptr + r * stride_ml_t + heads * stride_ml_h + c, l_i, mask=live)
+            tl.store(mid_acc_ptr + r * stride_ma_t + heads[:, None] * stride_ma_h + c * stride_ma_c
+                     + offs_d[None, :], acc, mask=out_mask)
+    if n_chunks > 1:
+        # the program that counts the row's last chunks (per KV head) merges them in increasing chunk order.
+        # Ordering (CUTLASS's semaphore pattern): the barrier puts every thread's stores before the acq_rel
+        # atomic; the merging program's barrier after its atomic puts the acquire before its loads, which
+        # bypass L1 (.cg). No program waits on another.
         tl.debug_barrier()
         cnt = cnt_ptr + r * stride_cnt + kvh
-        done = tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu")
-        if done == n_chunks - 1:
+        done = tl.atomic_add(cnt, mine, sem="acq_rel", scope="gpu")
+        if done + mine == n_chunks:
             tl.debug_barrier()
             g_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
             s_run = tl.zeros([BLOCK_M], tl.float32)
@@ -135,7 +157,7 @@ def _canonical_decode_kernel(
             res = a_run / tl.where(s_run == 0.0, 1.0, s_run)[:, None]
             tl.store(o_ptr + r * stride_ot + heads[:, None] * stride_oh + offs_d[None, :],
                      res.to(o_ptr.dtype.element_ty), mask=out_mask)
-            tl.store(cnt, 0)  # every chunk program of this launch has counted: ready for the next launch
+            tl.store(cnt, 0)  # every chunk of this launch has been counted: ready for the next launch
 
 
 class ChunkWorkspace:
@@ -184,8 +206,8 @@ def canonical_decode_attention(
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
     rope: tp.DecodeRope | None = None,
 ) -> torch.Tensor:
-    """The prefill kernel's output for each row's one query: one program per (row, KV head, key chunk),
-    the chunks merged in order by the last of them. Allocation-free after the first call per shape.
+    """The prefill kernel's output for each row's one query: P programs per (row, KV head) share its key
+    chunks (`chunk_programs`), the chunks merged in order by the program that counts the last of them. Allocation-free after the first call per shape.
     rope: q is before RoPE, and the kernel rotates q and K and stores K/V at rope.slots first, as
     triton_paged.decode_attention's `rope` (the bits of rope_write_kv then this call); rows `only_rows`
     leaves out get nothing written."""
@@ -200,7 +222,7 @@ def canonical_decode_attention(
     rope_args = tp.rope_launch_args(rope, q, seq_lens)
     num_chunks = max(1, -(-block_tables.shape[1] * block_size // tp.PREFILL_CHUNK))  # static: the table width
     ws = workspace(num_rows, num_heads, num_kv_heads, num_chunks, head_dim, q.device)
-    _canonical_decode_kernel[(num_rows, num_kv_heads, num_chunks)](
+    _canonical_decode_kernel[(num_rows, num_kv_heads, chunk_programs(num_rows, num_kv_heads, num_chunks))](
         q, k_cache, v_cache, out,
         seq_lens, block_tables, only_rows,
         ws.mid_m, ws.mid_l, ws.mid_acc, ws.cnt,

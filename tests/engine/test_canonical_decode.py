@@ -144,6 +144,50 @@ def check_prefill_pass_tile(device: str, dtype: torch.dtype) -> None:
     assert tp.KERNEL_ID == base
 
 
+def check_chunk_programs(device: str, dtype: torch.dtype) -> None:
+    """triton_canonical_decode.CHUNK_PROGRAMS: P programs per (row, KV head) sharing its key chunks give the
+    prefill kernel's bits for every P from 1 to the table's chunk count, and with `rope` (the program that
+    holds the step's key stores it first) the bits and cache of rope_write_kv then the kernel."""
+    from engine.attention import triton_canonical_decode as packed
+    from engine.attention import triton_paged as tp
+    from engine.kernels import triton_fused as tf
+
+    h, hkv, d, bs = 6, 2, 16, 16
+    lens = [70, 9, 130, 200, 64, 65, 257]
+    case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, device, seed=13, spare_blocks=2)
+    q, kc, vc, sl, bt = case["q"], case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"]
+    scale = d ** -0.5
+    ref = tp.prefill_attention(q, kc, vc, case["query_start_loc"], sl, bt, scale, 1)
+    g = torch.Generator(device="cpu").manual_seed(5)
+    k_new, v_new = (torch.randn(len(lens), hkv, d, generator=g).to(dtype).to(device) for _ in range(2))
+    angles = torch.rand(len(lens), 1, d // 2, generator=g).double() * 6.3
+    cos_sin = torch.cat([angles.cos(), angles.sin()], dim=1).repeat(1, 1, 2).to(dtype).to(device)
+    last = sl.long() - 1
+    slots = bt.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    q_rot = tf.rope_write_kv(q, k_new, v_new, cos_sin, kc_ref, vc_ref, slots)
+    chunks = -(-bt.shape[1] * bs // tp.PREFILL_CHUNK)
+    assert chunks >= 4, "the case needs rows of several chunks"
+    saved = packed.CHUNK_PROGRAMS
+    try:
+        packed.CHUNK_PROGRAMS = 0
+        assert packed.chunk_programs(len(lens), hkv, chunks) == chunks
+        rope_ref = packed.canonical_decode_attention(q_rot, kc_ref, vc_ref, sl, bt, scale)
+        for p in range(1, chunks + 1):
+            packed.CHUNK_PROGRAMS = len(lens) * hkv * p
+            assert packed.chunk_programs(len(lens), hkv, chunks) == p
+            got = packed.canonical_decode_attention(q, kc, vc, sl, bt, scale)
+            bad = [lens[r] for r in range(len(lens)) if not torch.equal(got[r], ref[r])]
+            assert not bad, f"P = {p}: rows of these lengths differ from the prefill kernel: {bad}"
+            kc2, vc2 = kc.clone(), vc.clone()
+            fused = packed.canonical_decode_attention(q, kc2, vc2, sl, bt, scale,
+                                                      rope=tp.DecodeRope(k_new, v_new, cos_sin, slots))
+            assert torch.equal(fused, rope_ref) and torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref), f"rope, P = {p}"
+        assert not torch.equal(rope_ref, ref), "the rope case is too easy"
+    finally:
+        packed.CHUNK_PROGRAMS = saved
+
+
 def _patch_interpreter_index() -> None:
     """Triton 3.6's interpreter turns a scalar (a 1-element array there) into a Python int with
     `int(array)`, which NumPy >= 2.4 refuses for ndim > 0; `range()` over loaded bounds needs it."""
@@ -214,6 +258,7 @@ def _interpreter_main() -> None:
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
+        check_chunk_programs("cpu", dtype)
     # the 64-row query tile (the default until the eleventh session; the default is 16): the same claims with
     # queries at rows p % 64
     tp.set_query_tile(64)
