@@ -1076,6 +1076,9 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
         runs = [_timed_mode_run(ctx, llm, prompts, out_lens, det_ids, cap_s, f"{tag}-{name}-r{rep}")
                 for rep in range(max(1, ctx.args.mode_repeats))]
         run = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]  # the median run (by time)
+        profiled = None
+        if name in ctx.args.profile_modes:  # one more run under the profiler: where the GPU idles
+            profiled = _profiled_mode_run(ctx, llm, prompts, out_lens, det_ids, cap_s, f"{tag}-{name}-prof")
         modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
                        "attention": getattr(llm.core.runner.model.attention, "name", None),
                        "dvr_decode_attention": llm.config.dvr_decode_attention,
@@ -1085,6 +1088,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "repeats": len(runs), "runs_seconds": [r["seconds"] for r in runs],
                        **run}
+        if profiled is not None:
+            modes[name]["profiled_run"] = profiled
         done, cap = run["finished"], run["cap_s"]
         if done < len(prompts) and cap < cap_s:
             modes[name]["capped_by_budget"] = True
@@ -1115,11 +1120,22 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
         max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
         for i, (p, m) in enumerate(zip(prompts, out_lens))]
     cap = ctx.cap(cap_s)
+    totals = llm.core.totals
+    walls: dict[str, list[float]] = {}  # step kind -> [steps, host wall seconds]
+    previous = "prefill"
     _sync()
     t0 = time.perf_counter()
     done: dict[str, float] = {}
     while len(done) < len(seqs) and time.perf_counter() - t0 < cap:
+        passes = (totals.prefill_passes, totals.verify_passes, totals.decode_passes)
+        ts = time.perf_counter()
         llm.core.step()
+        wall = time.perf_counter() - ts
+        kind = step_kind(passes, (totals.prefill_passes, totals.verify_passes, totals.decode_passes), previous)
+        previous = kind
+        entry = walls.setdefault(kind, [0, 0.0])
+        entry[0] += 1
+        entry[1] += wall
         for s in seqs:
             if s.is_finished and s.request_id not in done:
                 done[s.request_id] = time.perf_counter() - t0
@@ -1136,7 +1152,63 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
     stats = {k: (v if k in ("running", "waiting") else v - before.get(k, 0)) for k, v in after.items()}
     return {"seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
             "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs), "cap_s": round(cap, 1),
-            "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99), "stats": stats}
+            "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99), "stats": stats,
+            # host wall time of each step() by kind (the loop's bookkeeping between steps is not counted)
+            "step_wall_s": {k: {"steps": n, "seconds": round(t, 4), "mean_ms": round(1e3 * t / n, 3)}
+                            for k, (n, t) in sorted(walls.items())}}
+
+
+def _profiled_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list[int], det_ids: set[int],
+                       cap_s: float, tag: str) -> dict[str, Any]:
+    """One more run of the requests under torch.profiler (CUDA activity only; not a timed run): the GPU's
+    busy time (union of kernel intervals) against the run's span, its kernels by device time, and the largest
+    gaps between kernels with the kernels on either side (where the GPU waits for the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: no kernels
+    with profile(activities=[activity]) as prof:
+        run = _timed_mode_run(ctx, llm, prompts, out_lens, det_ids, cap_s, tag)
+    spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:70]) for ev in prof.events()
+                   if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)
+    busy, gaps, end, last = 0.0, [], None, ""
+    for start, stop, name in spans:
+        if end is None or start > end:
+            if end is not None:
+                gaps.append((start - end, last, name))
+            busy, end, last = busy + stop - start, stop, name
+        elif stop > end:
+            busy, end, last = busy + stop - end, stop, name
+    by_name: dict[str, float] = {}
+    for start, stop, name in spans:
+        by_name[name] = by_name.get(name, 0.0) + stop - start
+    span = (spans[-1][1] - spans[0][0]) if spans else 0.0
+    gap_total = sum(g for g, _, _ in gaps)
+    by_pair: dict[str, list[float]] = {}
+    for g, before, after in gaps:
+        entry = by_pair.setdefault(f"{before[:40]} -> {after[:40]}", [0, 0.0])
+        entry[0] += 1
+        entry[1] += g
+    return {"wall_s": run["seconds"], "kernel_span_s": span / 1e6, "gpu_busy_s": busy / 1e6,
+            "gaps_s": gap_total / 1e6, "gaps_over_20us_s": sum(g for g, _, _ in gaps if g > 20) / 1e6,
+            "step_wall_s": run["step_wall_s"],
+            "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]},
+            "gaps_by_neighbours_ms": {k: [n, round(t / 1e3, 2)] for k, (n, t)
+                                      in sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:15]}}
+
+
+def step_kind(before: tuple[int, int, int], after: tuple[int, int, int], previous: str) -> str:
+    """The kind of one engine step from its (prefill, verify, decode) pass counters before and after:
+    prefill, verify, decode (a decode step after a decode step: the overlapped steady state),
+    decode_after_other (the first decode step after a prefill or verify pass, which restarts the overlap),
+    or idle."""
+    prefill, verify, decode = (b - a for a, b in zip(before, after))
+    if prefill:
+        return "prefill"
+    if verify:
+        return "verify"
+    if decode:
+        return "decode" if previous in ("decode", "decode_after_other") else "decode_after_other"
+    return "idle"
 
 
 def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
@@ -1468,6 +1540,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--concurrent-carried", choices=["on", "off"], default=None,
                    help="set engine.attention.triton_paged.CONCURRENT_CARRIED for the whole run (a verify pass's "
                         "carried decode rows on a second stream beside its verify rows); default: the module's")
+    p.add_argument("--profile-modes", type=_csv, default=[],
+                   help="modes (nondeterministic, dvr_100pct, ...) that get one more run under torch.profiler "
+                        "after their timed runs: GPU busy time, kernels, gaps (a diagnostic; not timed)")
     p.add_argument("--chunk-programs", type=int, default=None,
                    help="set engine.attention.triton_canonical_decode.CHUNK_PROGRAMS for the whole run (the canonical "
                         "decode kernel's programs per launch it aims at; 0 = one program per key chunk of the "

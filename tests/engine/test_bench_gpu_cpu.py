@@ -80,7 +80,7 @@ def test_parse_args_defaults() -> None:
 
 
 def _ctx(tmp_path: Path, left_s: float = 600.0) -> bg.Ctx:
-    ctx = bg.Ctx(args=argparse.Namespace(mode_repeats=2), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
+    ctx = bg.Ctx(args=argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"]), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
     ctx.deadline = time.perf_counter() + left_s
     return ctx
 
@@ -137,8 +137,17 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
         assert entry["repeats"] == 2 and len(entry["runs_seconds"]) == 2, name
         assert entry["stats"]["generated_tokens"] == 33 and entry["stats"]["running"] == 0, name
         assert entry["p50_latency_s"] <= entry["p99_latency_s"]
+        walls = entry["step_wall_s"]  # every step of the reported run, by kind
+        assert sum(k["steps"] for k in walls.values()) == entry["stats"]["steps"], name
+        assert walls["prefill"]["steps"] == entry["stats"]["prefill_passes"], name
+        assert walls.get("verify", {"steps": 0})["steps"] == entry["stats"]["verify_passes"], name
+        assert sum(walls[k]["steps"] for k in ("decode", "decode_after_other") if k in walls) == \
+            entry["stats"]["decode_passes"], name
     assert modes["dvr_100pct"]["deterministic_requests"] == 6 and modes["dvr_50pct"]["deterministic_requests"] == 3
     assert modes["dvr_100pct"]["stats"]["verify_passes"] > 0
+    # --profile-modes: the named mode alone gets a profiled run (no kernels on the CPU)
+    assert modes["dvr_100pct"]["profiled_run"]["gpu_busy_s"] == 0.0
+    assert all("profiled_run" not in e for n, e in modes.items() if n != "dvr_100pct")
     assert json.loads((tmp_path / "r.json").read_text())["compare_modes_synthetic"]["in_progress"]
     ctx.result["compare_modes_synthetic"] = res
     ctx.result["environment"] = {"device": "cpu", "date_utc": "now", "command": "test"}
@@ -146,6 +155,26 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
     assert "compare_modes_synthetic dvr_100pct" in text and "summary failed" not in text
     bg.chart(ctx.result, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_step_kind_reads_the_pass_counters() -> None:
+    assert bg.step_kind((0, 0, 0), (1, 0, 0), "decode") == "prefill"
+    assert bg.step_kind((1, 2, 3), (1, 3, 3), "decode") == "verify"
+    assert bg.step_kind((1, 2, 3), (1, 2, 4), "decode") == "decode"
+    assert bg.step_kind((1, 2, 3), (1, 2, 4), "decode_after_other") == "decode"
+    assert bg.step_kind((1, 2, 3), (1, 2, 4), "verify") == "decode_after_other"
+    assert bg.step_kind((1, 2, 3), (1, 2, 3), "decode") == "idle"
+
+
+def test_profiled_mode_run_reports_its_run(tmp_path: Path, tiny_make: Any) -> None:
+    """--profile-modes: one more run under torch.profiler, reported with the GPU's busy time and gaps (on
+    the CPU no kernel is recorded: zero busy time, the run itself complete)."""
+    ctx = _ctx(tmp_path)
+    ctx.begin("compare_modes_synthetic", None)
+    llm = tiny_make("dvr", 1.0)
+    res = bg._profiled_mode_run(ctx, llm, [[3, 5, 7, 9], [4, 6]], [5, 3], {0, 1}, 60.0, "p")
+    assert res["wall_s"] > 0 and res["gpu_busy_s"] == 0.0 and res["gaps_s"] == 0.0
+    assert res["step_wall_s"]["verify"]["steps"] >= 1
 
 
 def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: Any) -> None:
@@ -166,7 +195,7 @@ def test_summary_reads_committed_results() -> None:
         assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
 
 
-@pytest.mark.parametrize("name", ["canonical_step_probe.py", "step_probe.py"])
+@pytest.mark.parametrize("name", ["canonical_step_probe.py", "step_probe.py", "verify_probe.py"])
 def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
     """`bench/canonical_step_probe.py` (the `canonical` stage of bench/h200.sh) and `bench/step_probe.py`
     (the `step` stage) load on a CPU checkout: their imports from engine.bench_gpu resolve and --help lists
@@ -179,6 +208,8 @@ def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
     out = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=300,
                          check=True).stdout
     assert "--context" in out and "--reps" in out
+    if name == "verify_probe.py":
+        assert "--programs" in out
     if name == "step_probe.py":
         assert "--split-sweep" in out and "--only-split-sweep" in out
 
