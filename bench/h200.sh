@@ -11,7 +11,8 @@
 # breakdown and verify beside decode on two streams: bench/step_probe.py;
 # STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size), levers (the
 # mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off),
-# vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py).
+# vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py), mixes (the two mixes and
+# the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -83,6 +84,18 @@ stage_levers() {  # the eleventh session's switches that are off, each beside ma
     --name gpu-bench-modes-mixes-concurrent-carried 2>&1 | tail -25
   timeout "${LEVERS_TIMEOUT:-300}" python3 -m engine bench --device cuda --sections long --prefill-pass-tile 64 \
     --out "$OUT" --name gpu-bench-long-prefill64 2>&1 | tail -25
+}
+
+stage_mixes() {  # issue 6's mixes and the 1k set at main's defaults, every mode (thirteenth session)
+  timeout "${MIXES_TIMEOUT:-300}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --deadline-s 285 --out "$OUT" \
+    --name gpu-bench-modes-mixes ${MIXES_ARGS:-} 2>&1 | grep -v Warn | tail -30
+}
+
+stage_dvrtests() {  # the gpu tests of DVR bits under overlap, carried rows and load (SmolLM2 and the 8B heads)
+  timeout "${DVRTESTS_TIMEOUT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
+    tests/engine/test_gpu_dvr.py tests/engine/test_gpu_verify_carry.py tests/engine/test_gpu_overlap.py \
+    2>&1 | tee "$OUT/gpu-pytest-dvr.txt" | tail -25
 }
 
 stage_canonical() {

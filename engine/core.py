@@ -25,7 +25,8 @@ import numpy as np
 
 from engine.config import EngineConfig, Mode
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
-from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
+from engine.sampling import (PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred,
+                             sample_rows_launch, splitmix64)
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, apply_dvr, apply_teacher, window_applies
@@ -51,6 +52,7 @@ class EngineStats:
     preemptions: int = 0
     verify_seconds: float = 0.0
     carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
+    early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
 
 
 @dataclass
@@ -254,7 +256,10 @@ class EngineCore:
 
     def _verify(self, plan: Plan) -> list[Sequence]:
         """The verify pass, and the decode step it carries (`plan.decode`): the carried rows' samples are
-        launched first and stay in flight like a decode step's; the verify rows are sampled and applied."""
+        launched first and stay in flight like a decode step's; the verify rows are sampled and applied.
+        With overlap, where the verify rows' samples can be launched on the device (no top-k / top-p /
+        top logprobs), the next decode step of the other rows (`_early_decode`) is launched before they
+        are read, so the host applies them while the GPU runs that step."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         carried = plan.decode
@@ -274,7 +279,18 @@ class EngineCore:
         for r, row in enumerate(plan.verify):
             ids += range(r * w, r * w + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
-        flat_samples = sample_rows(flat, specs, ids)
+        touched: list[Sequence] = []
+        launched = sample_rows_launch(flat, specs, ids) if self.config.overlap else None
+        if launched is not None:
+            # the verify samples are launched: queue the next decode step (chained from the carried rows'
+            # in-flight samples) before reading them, so the GPU does not idle while the host applies them
+            if carried:
+                touched += self._hold(carried, pending, stays)
+                carried = []
+            touched += self._early_decode(frozenset(r.seq for r in plan.verify))
+            flat_samples = launched.results()
+        else:
+            flat_samples = sample_rows(flat, specs, ids)
         at = 0
         for row in plan.verify:
             seq = row.seq
@@ -296,8 +312,20 @@ class EngineCore:
             self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
         self.totals.verify_passes += 1
         self.totals.verify_seconds += time.perf_counter() - t0
-        touched = [r.seq for r in plan.verify]
+        touched += [r.seq for r in plan.verify]
         return touched + (self._hold(carried, pending, stays) if carried else [])
+
+    def _early_decode(self, verifying: frozenset[Sequence]) -> list[Sequence]:
+        """The decode step after a verify pass, planned and launched before the pass's samples are read:
+        every row a chained decode step would take except the pass's own rows (`verifying`, whose state
+        those samples decide; they rejoin at the next step). Its rows' bits are those of any decode step
+        (the verify rows are untouched by it); nothing is launched where the scheduler would plan anything
+        else (a prefill, a verify pass, a preemption) or nothing can decode."""
+        plan = self.scheduler.chained_decode(exclude=verifying)
+        if plan is None:
+            return []
+        self.totals.early_decode_steps += 1
+        return self._decode(plan)
 
     def _commit(self, seq: Sequence, token: int, res: SampleResult) -> bool:
         """Append one committed token; judge finish conditions on committed tokens only."""

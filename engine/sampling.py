@@ -234,6 +234,22 @@ def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams,
     return PendingSamples(token, logprob)
 
 
+def sample_rows_launch(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
+                       ) -> PendingSamples | None:
+    """`sample_rows(logits, specs, rows)` launched without waiting for the values on the host (the verify
+    pass reads its samples after launching the next decode step), or None where a row needs the host path
+    (top-k / top-p, top logprobs): the caller then calls `sample_rows`. Same kernel launch as `sample_rows`
+    makes for these rows, so the same tokens and logprobs; on the CPU computed at once."""
+    assert len(rows) == len(specs), (len(rows), len(specs))
+    if any(_filtered(p) or p.logprobs for p, _, _ in specs):
+        return None
+    if not logits.is_cuda:
+        ready = sample_rows(logits, specs, rows)
+        return PendingSamples(torch.tensor([r.token for r in ready], dtype=torch.int64), ready=ready)
+    token, logprob, _ = _launch_device(logits, specs, rows)
+    return PendingSamples(token, logprob)
+
+
 def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the device sampler on `rows` (no host sync): token Int64, logprob Float32, lse Float64 [R]."""

@@ -121,16 +121,22 @@ class Scheduler:
                     decodable.append(s)
         return ready, decodable
 
-    def chained_decode(self) -> Plan | None:
+    def chained_decode(self, exclude: frozenset[Sequence] = frozenset()) -> Plan | None:
         """The decode step `schedule` would plan now, planned while the previous decode step's tokens are
         still on the device (engine overlap: counts include in-flight tokens, their values are unknown).
         None when the policy could plan anything else — a prefill, a verify pass, a preemption — which
         needs those values: the caller then reads them and calls `schedule`. Planning one step behind
         changes when rows become ready, never a committed token (rows that finished in the in-flight step
-        may ride one wasted step)."""
+        may ride one wasted step).
+
+        `exclude`: rows left out as if they were not running — the rows of a verify pass whose samples
+        are not applied yet (the engine launches this step before reading them); they rejoin the next one."""
         if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
             return None
         ready, decodable = self._classify()
+        if exclude:
+            ready = [s for s in ready if s not in exclude]
+            decodable = [s for s in decodable if s not in exclude]
         if not decodable or self._verify_due(ready, decodable, self.step_index + 1):
             return None
         need = sum(self.blocks.extra_blocks(seq_key(s), s.num_tokens) for s in decodable)

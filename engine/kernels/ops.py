@@ -19,7 +19,7 @@ the SwiGLU must go through it; one stray `x @ w.T` breaks the mode. Inputs may b
 TorchOps on CUDA runs the row ops (RMSNorm with the residual add fused in, SwiGLU, RoPE of q and k in
 one launch) as the Triton kernels of `triton_fused` (one launch each instead of several torch
 elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
-(the SwiGLU computed in fp32 and rounded once, as the kernel does). `TorchOps(row_kernels="torch")`
+(the SwiGLU computed in fp32 as g / (1 + exp(-g)) and rounded once, as the kernel does). `TorchOps(row_kernels="torch")`
 forces torch everywhere (A/B). On that Triton path TorchOps also offers `rope_write_kv` (see Ops): RoPE that
 writes K and V into the paged KV cache itself, saving the two index_copy_ launches of write_kv per layer.
 
@@ -170,7 +170,11 @@ class TorchOps(_FusedRowOps):
         return rms_norm_rows(x, weight, eps)
 
     def _silu_mul_ref(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return (F.silu(gate.float()) * up.float()).to(gate.dtype)
+        """silu as g / (1 + exp(-g)) in fp32, rounded once (the Triton kernel's formula): F.silu's scalar
+        tail rounds differently from its vector body, and with several threads the chunk ends fall inside
+        rows, so a row's bits depended on its place in a verify pass (tile_silu_mul's docstring)."""
+        g = gate.float()
+        return (g / (1.0 + torch.exp(-g)) * up.float()).to(gate.dtype)
 
     def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
         return torch.log_softmax(x.float(), dim=-1).to(x.dtype)

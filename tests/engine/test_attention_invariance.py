@@ -139,15 +139,17 @@ def test_fully_masked_trailing_tiles_change_nothing() -> None:
 
 
 # ---------------------------------------------------------------- end to end
-def _tiny_llama(dtype: torch.dtype, hidden: int = 96, intermediate: int = 160, vocab: int = 200):
+def _tiny_llama(dtype: torch.dtype, hidden: int = 96, intermediate: int = 160, vocab: int = 200, seed: int = 0):
+    """Every weight drawn from a local generator (never torch's global one, which another thread may draw
+    from meanwhile: that once changed the weights mid-suite): norms 1 + noise, the rest small noise."""
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=3,
                          num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
-    torch.manual_seed(0)
     hf = LlamaForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
+        for name, p in hf.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1.0 + 0.05 * noise if name.endswith("norm.weight") else 0.06 * noise)
     model = build_model(hf.config, dtype, "cpu")
     model.load_weights(hf.state_dict().items())
     return model
@@ -236,11 +238,14 @@ def intra_op_threads(request: pytest.FixtureRequest):
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("model_seed", [0, 1, 2])
 @pytest.mark.parametrize("intra_op_threads", [1, 3], indirect=True)
-def test_invariance_holds_at_other_thread_counts(intra_op_threads: int) -> None:
+def test_invariance_holds_at_other_thread_counts(intra_op_threads: int, model_seed: int) -> None:
     """Each run at one thread count; pass tensors large enough (G*W*intermediate > 32768 elements)
-    that elementwise kernels split across threads, so chunk tails land inside windows."""
-    model = _tiny_llama(torch.float32, hidden=120, intermediate=544, vocab=400)
+    that elementwise kernels split across threads, so chunk tails land inside windows. Several weight
+    seeds: with F.silu as the CPU SwiGLU, 15 of 16 seeds broke this at 3 threads (its scalar tail rounds
+    unlike its vector body), and the single seed tested before happened to hide it."""
+    model = _tiny_llama(torch.float32, hidden=120, intermediate=544, vocab=400, seed=model_seed)
     rng = random.Random(9)
     prompt = [rng.randrange(400) for _ in range(41)]
     _check_model(model, prompt, [rng.randrange(400) for _ in range(3 * 16)], groups=8, window=16)

@@ -304,3 +304,22 @@ def test_attention_rejects_bad_layouts() -> None:
         bi_paged_attention(q[:2], k, v, tables, torch.tensor([10, 20]), split_size=48)
     with pytest.raises(ValueError, match="do not fit"):
         bi_paged_attention(torch.zeros(2, 3, k.shape[-1]), k, v, tables, torch.tensor([10, 20]))
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_torch_ops_cpu_silu_mul_keeps_a_rows_bits_wherever_it_sits(threads: int) -> None:
+    """TorchOps' CPU SwiGLU (the dvr verify pass's, M = G*W rows): a row's bits do not depend on its
+    place in the pass, also where several threads split the elementwise loop inside rows (it was F.silu,
+    whose scalar chunk tails round unlike its vector body: rows 42 and 85 of [128, 544] at 3 threads)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gate = _rand(128, 544, dtype=torch.float32, device="cpu", seed=13) * 3
+        up = _rand(128, 544, dtype=torch.float32, device="cpu", seed=14)
+        full = TORCH_OPS.silu_mul(gate, up)
+        for shift in (1, 16, 43, 85):
+            assert torch.equal(TORCH_OPS.silu_mul(gate.roll(shift, 0), up.roll(shift, 0)), full.roll(shift, 0)), shift
+        assert torch.equal(TORCH_OPS.silu_mul(gate[:1], up[:1]), full[:1])
+        assert_close_rel(full, F.silu(gate.double()) * up.double(), TOL[torch.float32])
+    finally:
+        torch.set_num_threads(before)

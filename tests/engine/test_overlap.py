@@ -28,8 +28,8 @@ def _count_chained(llm: Any) -> dict[str, int]:
     core, counts = llm.core, {"chained_steps": 0, "chained_rows": 0, "decode_steps": 0}
     chained, run_decode = core.scheduler.chained_decode, core.runner.decode
 
-    def record_chained() -> Any:
-        plan = chained()
+    def record_chained(**kw: Any) -> Any:
+        plan = chained(**kw)
         if plan is not None:
             assert plan.kind == StepKind.DECODE
             counts["chained_steps"] += 1
@@ -221,3 +221,60 @@ def test_a_ready_dvr_row_is_verified_while_fast_rows_keep_the_chain_going(make_m
         steps += 1
     assert counts["chained_steps"] > 0, counts
     assert not any(f.is_finished for f in fast), (steps, [len(f.tokens) for f in fast])
+
+
+@pytest.mark.parametrize(("carry", "fault_rate"), [(0, 0.0), (4, 0.0), (4, 0.3), (16, 0.3)])
+def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_mock_llm, carry: int,
+                                                                        fault_rate: float) -> None:
+    """With overlap, a verify pass launches its samples and the next decode step of the other rows
+    (chained from the rows it carries) before reading them (`EngineCore._early_decode`). Deterministic
+    outputs and the non-deterministic requests beside them are bitwise those of the overlap-off engine,
+    with and without carried rows and under rollbacks; the early steps really ran, and never held a
+    row of the pass that preceded them."""
+    prompts, params = det_workload(10, VOCAB, max_tokens=(12, 40), seed=6)
+    params = _plain(params)
+    # every third request non-deterministic: they ride the early steps beside the DVR rows
+    params = [replace(p, deterministic=False) if i % 3 == 2 else p for i, p in enumerate(params)]
+    kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry)
+    ref = make_mock_llm(overlap=False, **kw).generate(prompts, params)
+    llm = make_mock_llm(overlap=True, **kw)
+    verified: list[set[str]] = []
+    run_verify, early_decode = llm.core._verify, llm.core._early_decode
+
+    def record_verify(plan: Any) -> Any:
+        verified.append({r.seq.request_id for r in plan.verify})
+        return run_verify(plan)
+
+    def record_early(verifying: Any) -> Any:
+        assert {s.request_id for s in verifying} == verified[-1]
+        before = llm.core.scheduler.step_index
+        out = early_decode(verifying)
+        if llm.core.scheduler.step_index != before:  # a step was planned: none of its rows was verifying
+            assert not verifying & set(llm.core._inflight.seqs)
+        return out
+
+    llm.core._verify, llm.core._early_decode = record_verify, record_early
+    got = llm.generate(prompts, params)
+    det = [i for i, p in enumerate(params) if p.deterministic]  # the mock's fast path is batch-dependent
+    assert_same([ref[i] for i in det], [got[i] for i in det])
+    for i, (o, p) in enumerate(zip(got, params)):
+        assert o.finished and (len(o.token_ids) == p.max_tokens or o.finish_reason == "stop"), (i, o)
+    stats = llm.core.stats()
+    assert stats.early_decode_steps > 0 and stats.verify_passes > 0, stats
+    if fault_rate:
+        assert stats.rollbacks > 0, stats
+
+
+def test_no_early_decode_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
+    """Overlap off (the CPU default), or a pass holding a top-k / top-p row (host sampler): the verify
+    samples are read first, as before; the outputs are the same either way."""
+    prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
+    off = make_mock_llm(overlap=False, verify_decode_rows=4)
+    ref = off.generate(prompts, _plain(params))
+    assert off.core.stats().early_decode_steps == 0
+    filtered = [replace(p, top_k=5, temperature=1.0) for p in _plain(params)]
+    on = make_mock_llm(overlap=True, verify_decode_rows=4)
+    got = on.generate(prompts, filtered)
+    assert on.core.stats().early_decode_steps == 0 and on.core.stats().verify_passes > 0
+    assert_same(make_mock_llm(overlap=False, verify_decode_rows=4).generate(prompts, filtered), got)
+    assert ref  # the plain run produced output
