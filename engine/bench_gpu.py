@@ -618,6 +618,8 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
         kw.setdefault("attention_backend", "triton")
     kw.setdefault("verify_decode_rows", ctx.args.verify_decode_rows)  # None: the engine's default (0 off dvr)
     kw.setdefault("canonical_prefill_min_tokens", ctx.args.canonical_prefill_min_tokens)  # None: the engine's
+    if getattr(ctx.args, "verify_early_decode", None) is not None:
+        kw.setdefault("verify_early_decode", ctx.args.verify_early_decode == "on")
     if "window" in kw and ctx.args.window is not None:
         kw["window"] = ctx.args.window
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
@@ -1564,6 +1566,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="EngineConfig.canonical_prefill_min_tokens for every engine of the run (the smallest "
                         "canonical prefill pass of a deterministic prompt; another value, other committed "
                         "bits); default: the engine's")
+    p.add_argument("--verify-early-decode", choices=["on", "off"], default=None,
+                   help="EngineConfig.verify_early_decode for every engine of the run (a verify pass launches the "
+                        "next decode step before reading its samples); default: the engine's (off)")
     p.add_argument("--modes", type=_csv, default=[],
                    help="compare_modes sections: run only these modes (nondeterministic, dvr_2pct, dvr_10pct, "
                         "dvr_50pct, dvr_100pct, batch_invariant); default: all")
@@ -1686,6 +1691,7 @@ def main(argv: list[str] | None = None) -> int:
                       "attention_kernel": triton_paged.KERNEL_ID,
                       "canonical_prefill_min_tokens": args.canonical_prefill_min_tokens,  # None: the engine's
                       "modes": args.modes or "all", "window": args.window or 32,
+                      "verify_early_decode": args.verify_early_decode or "engine default (off)",
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
                       "packed_canonical_decode_8b": packed_matches_8b()}

@@ -106,6 +106,11 @@ class EngineConfig:
                                         # carried. None: DEFAULT_VERIFY_DECODE_ROWS in mode dvr on the triton
                                         # backend, else 0 (off); always 0 outside mode dvr. Never changes a
                                         # committed bit for a given D.
+    verify_early_decode: bool = False   # with overlap: a verify pass launches its samples and the next decode step
+                                        # of the other rows (the pass's own rows sit it out) before reading them,
+                                        # so the GPU does not idle while the host applies them. Off: on the H200
+                                        # it cost more than it saved (dvr 100 %: short mix 0.841 -> 0.816, 1k set
+                                        # 0.898; README, thirteenth session). Never changes a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -153,6 +158,8 @@ class EngineConfig:
         if self.overlap is None:
             object.__setattr__(self, "overlap", on_cuda)
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
+        _check(isinstance(self.verify_early_decode, bool), "verify_early_decode",
+               f"must be a bool, got {self.verify_early_decode!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical_step_short" if on_cuda else "split")
         if self.dvr_lookahead is None:

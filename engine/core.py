@@ -257,9 +257,10 @@ class EngineCore:
     def _verify(self, plan: Plan) -> list[Sequence]:
         """The verify pass, and the decode step it carries (`plan.decode`): the carried rows' samples are
         launched first and stay in flight like a decode step's; the verify rows are sampled and applied.
-        With overlap, where the verify rows' samples can be launched on the device (no top-k / top-p /
-        top logprobs), the next decode step of the other rows (`_early_decode`) is launched before they
-        are read, so the host applies them while the GPU runs that step."""
+        With overlap and `verify_early_decode` (off by default: measured slower on the H200), where the
+        verify rows' samples can be launched on the device (no top-k / top-p / top logprobs), the next
+        decode step of the other rows (`_early_decode`) is launched before they are read, so the host
+        applies them while the GPU runs that step."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         carried = plan.decode
@@ -280,7 +281,8 @@ class EngineCore:
             ids += range(r * w, r * w + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
         touched: list[Sequence] = []
-        launched = sample_rows_launch(flat, specs, ids) if self.config.overlap else None
+        early = self.config.overlap and self.config.verify_early_decode
+        launched = sample_rows_launch(flat, specs, ids) if early else None
         if launched is not None:
             # the verify samples are launched: queue the next decode step (chained from the carried rows'
             # in-flight samples) before reading them, so the GPU does not idle while the host applies them

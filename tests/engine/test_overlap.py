@@ -236,8 +236,8 @@ def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_moc
     # every third request non-deterministic: they ride the early steps beside the DVR rows
     params = [replace(p, deterministic=False) if i % 3 == 2 else p for i, p in enumerate(params)]
     kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry)
-    ref = make_mock_llm(overlap=False, **kw).generate(prompts, params)
-    llm = make_mock_llm(overlap=True, **kw)
+    ref = make_mock_llm(overlap=False, verify_early_decode=True, **kw).generate(prompts, params)
+    llm = make_mock_llm(overlap=True, verify_early_decode=True, **kw)
     verified: list[set[str]] = []
     run_verify, early_decode = llm.core._verify, llm.core._early_decode
 
@@ -265,16 +265,20 @@ def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_moc
         assert stats.rollbacks > 0, stats
 
 
-def test_no_early_decode_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
-    """Overlap off (the CPU default), or a pass holding a top-k / top-p row (host sampler): the verify
-    samples are read first, as before; the outputs are the same either way."""
+def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
+    """verify_early_decode off (the default), overlap off (the CPU default), or a pass holding a top-k /
+    top-p row (host sampler): the verify samples are read first; the outputs are the same either way."""
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
-    off = make_mock_llm(overlap=False, verify_decode_rows=4)
+    default = make_mock_llm(overlap=True, verify_decode_rows=4)
+    assert default.config.verify_early_decode is False
+    default.generate(prompts, _plain(params))
+    assert default.core.stats().early_decode_steps == 0 and default.core.stats().verify_passes > 0
+    off = make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4)
     ref = off.generate(prompts, _plain(params))
     assert off.core.stats().early_decode_steps == 0
     filtered = [replace(p, top_k=5, temperature=1.0) for p in _plain(params)]
-    on = make_mock_llm(overlap=True, verify_decode_rows=4)
+    on = make_mock_llm(overlap=True, verify_early_decode=True, verify_decode_rows=4)
     got = on.generate(prompts, filtered)
     assert on.core.stats().early_decode_steps == 0 and on.core.stats().verify_passes > 0
-    assert_same(make_mock_llm(overlap=False, verify_decode_rows=4).generate(prompts, filtered), got)
+    assert_same(make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4).generate(prompts, filtered), got)
     assert ref  # the plain run produced output
