@@ -21,12 +21,6 @@ def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: boo
     return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if cuda_graphs_on_cuda else 0
 
 
-# the smallest canonical prefill pass on CUDA (EngineConfig.canonical_prefill_min_tokens; at most the prefill
-# budget): a deterministic prompt of up to 2048 tokens is prefilled in a pass of exactly 2048, so the last,
-# padded pass of a burst wastes at most 2047 tokens rather than up to a whole budget (H200, 8B: dvr 100 % on the
-# short mix 0.816 -> 0.841 against 8192, README, thirteenth session)
-DEFAULT_CANONICAL_PREFILL_MIN_TOKENS_CUDA = 2048
-
 # decode rows a dvr verify pass carries by default on the triton backend (CUDA): a batch-64 decode step beside
 # the G x W verify tokens (README, eleventh session)
 DEFAULT_VERIFY_DECODE_ROWS = 64
@@ -64,9 +58,10 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
     canonical_prefill_min_tokens: int | None = None  # DVR / replay prompts are prefilled in passes of exactly
                                         # max(this, next pow2 >= prompt) tokens (packed, dummy-padded), at most
-                                        # max_num_batched_tokens; None: DEFAULT_CANONICAL_PREFILL_MIN_TOKENS_CUDA
-                                        # (2048, or the budget if smaller) on CUDA, 64 on the CPU. Part of the
-                                        # runtime identity.
+                                        # max_num_batched_tokens; None: max_num_batched_tokens on CUDA, 64 on the
+                                        # CPU. Part of the runtime identity. (2048 on CUDA was measured against
+                                        # the budget: dvr 100 % on the mixes +2.5 / +0.5 points, dvr 50 % on the
+                                        # short mix -2.3; README, thirteenth session: not the default.)
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
@@ -109,8 +104,9 @@ class EngineConfig:
     verify_early_decode: bool = False   # with overlap: a verify pass launches its samples and the next decode step
                                         # of the other rows (the pass's own rows sit it out) before reading them,
                                         # so the GPU does not idle while the host applies them. Off: on the H200
-                                        # it cost more than it saved (dvr 100 %: short mix 0.841 -> 0.816, 1k set
-                                        # 0.898; README, thirteenth session). Never changes a committed bit.
+                                        # it gained nothing (dvr 100 % 0.816 / 0.823 / 0.898 on the short mix,
+                                        # matched mix and 1k set against 0.825 / 0.825 / 0.904 without it, two
+                                        # machines; README, thirteenth session). Never changes a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -148,11 +144,9 @@ class EngineConfig:
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
         if self.canonical_prefill_min_tokens is None:
-            # CUDA: 2048 tokens (at most the budget): large enough to pack a burst of short prompts, small
-            # enough that the last, padded pass of the burst (or a lone deterministic prompt) wastes little.
-            # CPU: small.
-            cuda_min = min(DEFAULT_CANONICAL_PREFILL_MIN_TOKENS_CUDA, self.max_num_batched_tokens)
-            object.__setattr__(self, "canonical_prefill_min_tokens", cuda_min if on_cuda else 64)
+            # CUDA: the prefill token budget, so a canonical pass holds as much as a plain prefill pass (fast
+            # prompts fill it under load); a lone deterministic prompt pays for the whole pass. CPU: small.
+            object.__setattr__(self, "canonical_prefill_min_tokens", self.max_num_batched_tokens if on_cuda else 64)
         _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",
                f"must be >= 1, got {self.canonical_prefill_min_tokens}")
         if self.overlap is None:
