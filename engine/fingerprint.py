@@ -15,6 +15,7 @@ import torch
 
 from engine.config import EngineConfig, Mode
 from engine.kernels import DEFAULT_SPLIT_SIZE
+from engine.kernels.ops import CPU_ROW_OPS_ID
 from engine.kernels.tiles import TILE_ROWS
 from engine.scheduler import CANONICAL_PREFILL_ROWS
 from engine.sampling import SAMPLER_ID, sampler_impl
@@ -104,6 +105,8 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         from engine.kernels.triton_fused import KERNEL_ID as FUSED_KERNEL_ID
 
         fp["row_kernels"] = FUSED_KERNEL_ID
+    elif config.mode != Mode.BATCH_INVARIANT:  # TorchOps' CPU formulas (batch_invariant names its tiles above)
+        fp["row_kernels"] = CPU_ROW_OPS_ID
     if device.type == "cuda":
         fp["cuda_version"] = torch.version.cuda or "unknown"
         fp["triton_version"] = _triton_version()

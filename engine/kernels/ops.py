@@ -46,6 +46,9 @@ from engine.kernels import tiles
 from engine.kernels.tiles import rms_norm_rows, rope_rows
 
 Backend = Literal["auto", "triton", "tiles"]
+# TorchOps' row ops on the CPU (named in the runtime fingerprint: a change of formula changes the bits);
+# v2 (thirteenth session): SwiGLU as g / (1 + exp(-g)) instead of F.silu
+CPU_ROW_OPS_ID = "torch-cpu-rows-v2-silu-exp"
 RowKernels = Literal["auto", "torch"]
 
 

@@ -117,6 +117,7 @@ def test_fingerprint_fields_and_short_hash() -> None:
                 "sampler", "dtype", "cpu_isa", "torch_threads", "cuda_version"):
         assert key in fp, key
     assert fp["window"] == 8 and fp["group"] == 4 and fp["sampler"] == "verbatim-gumbel-splitmix64-v1"
+    assert fp["row_kernels"] == "torch-cpu-rows-v2-silu-exp"  # the CPU SwiGLU's formula changes the bits
     assert re.fullmatch(r"fp_[0-9a-f]{12}", engine.system_fingerprint())
     assert _engine(window=16).system_fingerprint() != engine.system_fingerprint()
 
