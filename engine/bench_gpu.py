@@ -617,10 +617,10 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
     kw.setdefault("verify_decode_rows", ctx.args.verify_decode_rows)  # None: the engine's default (0 off dvr)
-    kw.setdefault("canonical_prefill_min_tokens", ctx.args.canonical_prefill_min_tokens)  # None: the engine's
+    kw.setdefault("canonical_prefill_min_tokens", getattr(ctx.args, "canonical_prefill_min_tokens", None))
     if getattr(ctx.args, "verify_early_decode", None) is not None:
         kw.setdefault("verify_early_decode", ctx.args.verify_early_decode == "on")
-    if "window" in kw and ctx.args.window is not None:
+    if "window" in kw and getattr(ctx.args, "window", None) is not None:
         kw["window"] = ctx.args.window
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
