@@ -102,11 +102,14 @@ class EngineConfig:
                                         # backend, else 0 (off); always 0 outside mode dvr. Never changes a
                                         # committed bit for a given D.
     verify_early_decode: bool = False   # with overlap: a verify pass launches its samples and the next decode step
-                                        # of the other rows (the pass's own rows sit it out) before reading them,
-                                        # so the GPU does not idle while the host applies them. Off: on the H200
-                                        # it gained nothing (dvr 100 % 0.816 / 0.823 / 0.898 on the short mix,
-                                        # matched mix and 1k set against 0.825 / 0.825 / 0.904 without it, two
-                                        # machines; README, thirteenth session). Never changes a committed bit.
+                                        # before reading them, so the GPU does not idle while the host applies
+                                        # them. The pass's rows with run-ahead candidates past their windows decode
+                                        # on speculatively (a rollback voids that token); the others sit the step
+                                        # out. Off: the first version (every pass row sat out) gained nothing on
+                                        # the H200 (dvr 100 % 0.816 / 0.823 / 0.898 on the short mix, matched mix
+                                        # and 1k set against 0.825 / 0.825 / 0.904 without it, two machines;
+                                        # README, thirteenth session); this one is not GPU-measured. Never changes
+                                        # a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)

@@ -243,6 +243,9 @@ class EngineCore:
             seq.inflight -= 1
             if seq.status != SeqStatus.RUNNING:
                 continue
+            if seq.stale_inflight:  # decoded past candidates a verify pass rolled back: void
+                seq.stale_inflight -= 1
+                continue
             if seq.kind == SeqKind.FAST:
                 self._commit(seq, res.token, res)
                 touched.append(seq)
@@ -289,7 +292,7 @@ class EngineCore:
             if carried:
                 touched += self._hold(carried, pending, stays)
                 carried = []
-            touched += self._early_decode(frozenset(r.seq for r in plan.verify))
+            touched += self._early_decode(plan)
             flat_samples = launched.results()
         else:
             flat_samples = sample_rows(flat, specs, ids)
@@ -311,19 +314,32 @@ class EngineCore:
         # free the KV past what is kept only now: a later window of the same row in this pass wrote its
         # canonical K/V past the earlier window's kv_len, and applying it keeps those positions
         for seq in dict.fromkeys(r.seq for r in plan.verify if r.kind == RowKind.DVR):
+            if seq.inflight and seq.kv_len != seq.num_tokens - 1:
+                # an early step decoded past run-ahead candidates that this pass rolled back: void token
+                # (apply_dvr reset kv_len without its slot); the settle drops it
+                seq.stale_inflight = seq.inflight
             self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
         self.totals.verify_passes += 1
         self.totals.verify_seconds += time.perf_counter() - t0
         touched += [r.seq for r in plan.verify]
         return touched + (self._hold(carried, pending, stays) if carried else [])
 
-    def _early_decode(self, verifying: frozenset[Sequence]) -> list[Sequence]:
+    def _early_decode(self, verify: Plan) -> list[Sequence]:
         """The decode step after a verify pass, planned and launched before the pass's samples are read:
-        every row a chained decode step would take except the pass's own rows (`verifying`, whose state
-        those samples decide; they rejoin at the next step). Its rows' bits are those of any decode step
-        (the verify rows are untouched by it); nothing is launched where the scheduler would plan anything
-        else (a prefill, a verify pass, a preemption) or nothing can decode."""
-        plan = self.scheduler.chained_decode(exclude=verifying)
+        every row a chained decode step would take. The pass's own rows are not counted ready; a row of
+        it whose candidates run past its windows in the pass decodes on from its last candidate
+        (speculatively: if the pass rolls those candidates back, the token is void and dropped at the
+        settle, `stale_inflight`), the others sit this step out (their next input is the pass's bonus
+        token). A row's bits are those of any decode step at that position; nothing is launched where
+        the scheduler would plan anything else (a prefill, a verify pass, a preemption) or nothing can
+        decode."""
+        verifying = frozenset(r.seq for r in verify.verify)
+        covered: dict[Sequence, int] = {}  # each row's last position that this pass verifies
+        for r in verify.verify:
+            covered[r.seq] = max(covered.get(r.seq, -1), r.start_pos + len(r.tokens) - 1)
+        runs_ahead = frozenset(s for s, end in covered.items()
+                               if s.kind == SeqKind.DVR and not s.pending_windows and s.kv_len > end)
+        plan = self.scheduler.chained_decode(exclude=verifying - runs_ahead, not_ready=verifying)
         if plan is None:
             return []
         self.totals.early_decode_steps += 1

@@ -107,7 +107,7 @@ class Scheduler:
         ready: list[Sequence] = []
         decodable: list[Sequence] = []
         for s in self.running:
-            if s.status != SeqStatus.RUNNING:
+            if s.status != SeqStatus.RUNNING or s.stale_inflight:  # a void in-flight token: wait for its settle
                 continue
             if s.pending_windows:
                 ready.append(s)
@@ -121,7 +121,8 @@ class Scheduler:
                     decodable.append(s)
         return ready, decodable
 
-    def chained_decode(self, exclude: frozenset[Sequence] = frozenset()) -> Plan | None:
+    def chained_decode(self, exclude: frozenset[Sequence] = frozenset(),
+                       not_ready: frozenset[Sequence] = frozenset()) -> Plan | None:
         """The decode step `schedule` would plan now, planned while the previous decode step's tokens are
         still on the device (engine overlap: counts include in-flight tokens, their values are unknown).
         None when the policy could plan anything else — a prefill, a verify pass, a preemption — which
@@ -129,13 +130,15 @@ class Scheduler:
         changes when rows become ready, never a committed token (rows that finished in the in-flight step
         may ride one wasted step).
 
-        `exclude`: rows left out as if they were not running — the rows of a verify pass whose samples
-        are not applied yet (the engine launches this step before reading them); they rejoin the next one."""
+        `exclude`: rows left out as if they were not running; `not_ready`: rows that may decode but are not
+        counted ready. The engine launches the step after a verify pass before reading the pass's samples:
+        the pass's rows are `not_ready`, and those whose next input depends on them are `exclude`d (they
+        rejoin at the next step); a row with run-ahead candidates past its windows decodes on, speculatively."""
         if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
             return None
         ready, decodable = self._classify()
-        if exclude:
-            ready = [s for s in ready if s not in exclude]
+        if exclude or not_ready:
+            ready = [s for s in ready if s not in exclude and s not in not_ready]
             decodable = [s for s in decodable if s not in exclude]
         if not decodable or self._verify_due(ready, decodable, self.step_index + 1):
             return None

@@ -59,6 +59,8 @@ class Sequence:
     candidates: list[int] = field(default_factory=list)
     kv_len: int = 0
     inflight: int = 0                              # decode tokens launched whose values are not read yet
+    stale_inflight: int = 0                        # of those, tokens a verify pass's rollback made void: the
+                                                   # settle drops them (kv_len already excludes their slots)
     windows: list[tuple[int, int]] = field(default_factory=list)
     pending_windows: deque[tuple[int, int]] = field(default_factory=deque)  # teacher-forced, in order
     replay: ReplayState | None = None

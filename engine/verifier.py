@@ -120,12 +120,14 @@ def apply_dvr(row: VerifyRow, samples: list[SampleResult], commit: CommitFn) -> 
     end = len(seq.tokens)
     assert end > start, "a verify pass must commit at least one token"
     seq.windows.append((start, end))
+    speculated = 0
     if keep and not seq.is_finished:  # the surviving run-ahead candidates keep their fast-path KV
         seq.candidates.extend(remaining)
+        speculated = seq.inflight  # a decode token launched past them before this pass was read stays valid
     else:  # canonical KV now covers the row inputs that are committed: last token + candidates 1..m-1
-        seq.kv_len = row.start_pos + m
-    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1 + len(seq.candidates), (
-        seq.kv_len, len(seq.tokens), len(seq.candidates))
+        seq.kv_len = row.start_pos + m  # (a token in flight past them, if any, is void: the engine drops it)
+    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1 + len(seq.candidates) + speculated, (
+        seq.kv_len, len(seq.tokens), len(seq.candidates), seq.inflight)
     return m
 
 

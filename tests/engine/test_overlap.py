@@ -173,19 +173,24 @@ def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
 
 
-def test_real_model_dvr_bits_with_overlap(make_real_llm) -> None:
+@pytest.mark.parametrize("early", [False, True])
+def test_real_model_dvr_bits_with_overlap(make_real_llm, early: bool) -> None:
     """SmolLM2 (fp32, CPU): deterministic requests among fast co-traffic give the same token ids and
-    logprobs with overlap on as a lone run with overlap off."""
+    logprobs with overlap on as a lone run with overlap off; also with carried rows and the early decode
+    step after each verify pass (verify_early_decode)."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
     det = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
                           deterministic=True, ignore_eos=True) for i in range(len(prompts))]
     ref = [make_real_llm(window=8, group=2).generate([p], [sp])[0] for p, sp in zip(prompts, det)]
-    llm = make_real_llm(window=8, group=2, overlap=True, max_num_seqs=8)
+    extra = dict(verify_early_decode=True, verify_decode_rows=4) if early else {}
+    llm = make_real_llm(window=8, group=2, overlap=True, max_num_seqs=8, **extra)
     counts = _count_chained(llm)
     fast = [SamplingParams(max_tokens=25 + 5 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
     outs = llm.generate(prompts + [p[::-1] for p in prompts], det + fast)
     assert_same(ref, outs[: len(prompts)])
     assert counts["chained_steps"] > 0 and counts["chained_rows"] > 0, counts
+    if early:
+        assert llm.core.stats().early_decode_steps > 0, llm.core.stats()
 
 
 def test_chained_input_ids_are_the_previous_steps_tokens(make_mock_llm) -> None:
@@ -223,46 +228,55 @@ def test_a_ready_dvr_row_is_verified_while_fast_rows_keep_the_chain_going(make_m
     assert not any(f.is_finished for f in fast), (steps, [len(f.tokens) for f in fast])
 
 
-@pytest.mark.parametrize(("carry", "fault_rate"), [(0, 0.0), (4, 0.0), (4, 0.3), (16, 0.3)])
+@pytest.mark.parametrize(("carry", "fault_rate", "noise"), [(0, 0.0, 0.3), (4, 0.0, 0.3), (4, 0.3, 0.3),
+                                                          (16, 0.3, 0.3), (4, 0.0, 0.0)])
 def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_mock_llm, carry: int,
-                                                                        fault_rate: float) -> None:
-    """With overlap, a verify pass launches its samples and the next decode step of the other rows
-    (chained from the rows it carries) before reading them (`EngineCore._early_decode`). Deterministic
-    outputs and the non-deterministic requests beside them are bitwise those of the overlap-off engine,
-    with and without carried rows and under rollbacks; the early steps really ran, and never held a
-    row of the pass that preceded them."""
+                                                                        fault_rate: float, noise: float) -> None:
+    """verify_early_decode: a verify pass launches its samples and the next decode step (chained from the
+    rows it carries) before reading them (`EngineCore._early_decode`). Rows of the pass with run-ahead
+    candidates past their windows decode on speculatively; a rollback voids that token (dropped at the
+    settle). Deterministic outputs are bitwise those of the overlap-off engine, with and without carried
+    rows, under rollbacks (faults, the mock's noisy fast path) and without any (noise 0); the early steps
+    ran, held pass rows only where they had run ahead, and both outcomes of a speculation occurred."""
     prompts, params = det_workload(10, VOCAB, max_tokens=(12, 40), seed=6)
     params = _plain(params)
     # every third request non-deterministic: they ride the early steps beside the DVR rows
     params = [replace(p, deterministic=False) if i % 3 == 2 else p for i, p in enumerate(params)]
-    kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry)
+    kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry, decode_noise=noise)
     ref = make_mock_llm(overlap=False, verify_early_decode=True, **kw).generate(prompts, params)
     llm = make_mock_llm(overlap=True, verify_early_decode=True, **kw)
-    verified: list[set[str]] = []
-    run_verify, early_decode = llm.core._verify, llm.core._early_decode
+    core = llm.core
+    seen = {"speculated": 0, "void": 0}
+    early_decode, settle = core._early_decode, core._settle
 
-    def record_verify(plan: Any) -> Any:
-        verified.append({r.seq.request_id for r in plan.verify})
-        return run_verify(plan)
-
-    def record_early(verifying: Any) -> Any:
-        assert {s.request_id for s in verifying} == verified[-1]
-        before = llm.core.scheduler.step_index
-        out = early_decode(verifying)
-        if llm.core.scheduler.step_index != before:  # a step was planned: none of its rows was verifying
-            assert not verifying & set(llm.core._inflight.seqs)
+    def record_early(verify: Any) -> Any:
+        ends: dict[Any, int] = {}
+        for r in verify.verify:
+            ends[r.seq] = max(ends.get(r.seq, -1), r.start_pos + len(r.tokens) - 1)
+        before = core.scheduler.step_index
+        out = early_decode(verify)
+        if core.scheduler.step_index != before:  # a step was launched: pass rows in it had run ahead
+            for s in set(core._inflight.seqs) & set(ends):
+                assert s.kv_len - 1 > ends[s], (s.request_id, s.kv_len, ends[s])
+                seen["speculated"] += 1
         return out
 
-    llm.core._verify, llm.core._early_decode = record_verify, record_early
+    def record_settle() -> Any:
+        seen["void"] += sum(1 for s in (core._inflight.seqs if core._inflight else []) if s.stale_inflight)
+        return settle()
+
+    core._early_decode, core._settle = record_early, record_settle
     got = llm.generate(prompts, params)
     det = [i for i, p in enumerate(params) if p.deterministic]  # the mock's fast path is batch-dependent
     assert_same([ref[i] for i in det], [got[i] for i in det])
     for i, (o, p) in enumerate(zip(got, params)):
         assert o.finished and (len(o.token_ids) == p.max_tokens or o.finish_reason == "stop"), (i, o)
-    stats = llm.core.stats()
+    stats = core.stats()
     assert stats.early_decode_steps > 0 and stats.verify_passes > 0, stats
+    assert seen["speculated"] > 0, seen
     if fault_rate:
-        assert stats.rollbacks > 0, stats
+        assert stats.rollbacks > 0 and seen["void"] > 0, (stats, seen)
+    assert all(s.stale_inflight == 0 and s.inflight == 0 for s in core.seqs.values())
 
 
 def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
