@@ -12,7 +12,8 @@
 # STEP_ARGS=--only-split-sweep: the decode step at batch 16/32/64 per split-KV split size), levers (the
 # mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off),
 # vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py), mixes (the two mixes and
-# the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap).
+# the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap),
+# levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -96,6 +97,20 @@ stage_dvrtests() {  # the gpu tests of DVR bits under overlap, carried rows and 
   timeout "${DVRTESTS_TIMEOUT:-220}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE \
     tests/engine/test_gpu_dvr.py tests/engine/test_gpu_verify_carry.py tests/engine/test_gpu_overlap.py \
     2>&1 | tee "$OUT/gpu-pytest-dvr.txt" | tail -25
+}
+
+stage_levers13() {  # the thirteenth session's open A/Bs, each pair on one machine: the speculative early decode
+  # on against off (mixes and the 1k set), then 2048-token canonical prefill passes against the budget (1k set)
+  for ed in off on; do
+    timeout "${LEVERS13_TIMEOUT:-200}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_10pct,dvr_100pct \
+      --verify-early-decode $ed --deadline-s 190 --out "$OUT" --name gpu-bench-early-decode-$ed 2>&1 | grep -v Warn | tail -12
+  done
+  for p in 8192 2048; do
+    timeout "${LEVERS13_TIMEOUT:-120}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets 16x1024x256 --modes nondeterministic,dvr_100pct --canonical-prefill-min-tokens $p \
+      --deadline-s 110 --out "$OUT" --name gpu-bench-1k-p$p 2>&1 | grep -v Warn | tail -6
+  done
 }
 
 stage_canonical() {
