@@ -99,17 +99,18 @@ stage_dvrtests() {  # the gpu tests of DVR bits under overlap, carried rows and 
     2>&1 | tee "$OUT/gpu-pytest-dvr.txt" | tail -25
 }
 
-stage_levers13() {  # the thirteenth session's open A/Bs, each pair on one machine: the speculative early decode
+stage_levers13() {  # the thirteenth session's open A/Bs, each pair on one machine (at most 560 s, under one
+  # device call's 600 s): the speculative early decode
   # on against off (mixes and the 1k set), then 2048-token canonical prefill passes against the budget (1k set)
   for ed in off on; do
-    timeout "${LEVERS13_TIMEOUT:-200}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    timeout 180 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
       --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_10pct,dvr_100pct \
-      --verify-early-decode $ed --deadline-s 190 --out "$OUT" --name gpu-bench-early-decode-$ed 2>&1 | grep -v Warn | tail -12
+      --verify-early-decode $ed --deadline-s 170 --out "$OUT" --name gpu-bench-early-decode-$ed 2>&1 | grep -v Warn | tail -12
   done
   for p in 8192 2048; do
-    timeout "${LEVERS13_TIMEOUT:-120}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    timeout 100 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
       --synthetic-sets 16x1024x256 --modes nondeterministic,dvr_100pct --canonical-prefill-min-tokens $p \
-      --deadline-s 110 --out "$OUT" --name gpu-bench-1k-p$p 2>&1 | grep -v Warn | tail -6
+      --deadline-s 90 --out "$OUT" --name gpu-bench-1k-p$p 2>&1 | grep -v Warn | tail -6
   done
 }
 

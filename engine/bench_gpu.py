@@ -617,11 +617,9 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
     if kw.get("mode") != "batch_invariant":
         kw.setdefault("attention_backend", "triton")
     kw.setdefault("verify_decode_rows", ctx.args.verify_decode_rows)  # None: the engine's default (0 off dvr)
-    kw.setdefault("canonical_prefill_min_tokens", getattr(ctx.args, "canonical_prefill_min_tokens", None))
-    if getattr(ctx.args, "verify_early_decode", None) is not None:
+    kw.setdefault("canonical_prefill_min_tokens", ctx.args.canonical_prefill_min_tokens)  # None: the engine's
+    if ctx.args.verify_early_decode is not None:
         kw.setdefault("verify_early_decode", ctx.args.verify_early_decode == "on")
-    if "window" in kw and getattr(ctx.args, "window", None) is not None:
-        kw["window"] = ctx.args.window
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
 
@@ -1059,7 +1057,7 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
     from engine.sampling import SamplingParams
 
     for name, mode, share in MODES:
-        if getattr(ctx.args, "modes", None) and name not in ctx.args.modes:
+        if ctx.args.modes and name not in ctx.args.modes:
             continue
         if not ctx.has_time(15, f"{tag} {name}"):
             modes[name] = {"skipped": "time budget"}
@@ -1224,7 +1222,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(ctx, a.engine_graphs, model=a.gguf, device=ctx.device.type,
-                                dtype="bfloat16", mode=mode, window=32, group=a.group,
+                                dtype="bfloat16", mode=mode, window=a.window, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=a.smol_kv_blocks,
                                 max_num_seqs=a.compare_requests, max_num_batched_tokens=8192, cache_dir=a.cache_dir,
                                 dvr_lookahead=a.dvr_lookahead)
@@ -1236,7 +1234,7 @@ def bench_compare_modes(ctx: Ctx) -> dict[str, Any]:
     _free()
     out_lens = sharegpt_like_lengths(len(prompts), 7, 16, a.compare_tokens)
     out = ctx.open({"model": "SmolLM2-135M-Instruct (GGUF)", "requests": len(prompts),
-                    "output_len_mean": sum(out_lens) / len(out_lens), "window": a.window or 32, "group": a.group,
+                    "output_len_mean": sum(out_lens) / len(out_lens), "window": a.window, "group": a.group,
                     "dvr_decode_attention": a.dvr_decode_attention, "modes": {}})
     _run_modes(ctx, make, prompts, out_lens, a.compare_cap_s, "smol", out["modes"])
     return out
@@ -1281,7 +1279,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
 
     def make(mode: str, share: float) -> Any:
         config = _engine_config(ctx, a.engine_graphs, model="synthetic", device=ctx.device.type,
-                                dtype="bfloat16", mode=mode, window=32, group=a.group,
+                                dtype="bfloat16", mode=mode, window=a.window, group=a.group,
                                 dvr_decode_attention=a.dvr_decode_attention, num_kv_blocks=blocks,
                                 max_num_seqs=max_seqs, max_num_batched_tokens=8192, max_model_len=8192,
                                 fault_rate=fault_rate, fault_seed=5, dvr_lookahead=a.dvr_lookahead)
@@ -1292,7 +1290,7 @@ def _synthetic_modes(ctx: Ctx, sets: list[str]) -> dict[str, Any]:
     res = ctx.open({"model": f"synthetic {a.preset} (peaked logits)", "sets": sets, "fault_rate": fault_rate,
                     "fault_rate_source": ("SmolLM2 W=32 canonical, this run" if measured
                                           else "--fault-rate (default: committed SmolLM2 W=32 measurement)"),
-                    "dvr_decode_attention": a.dvr_decode_attention, "window": a.window or 32, "group": a.group})
+                    "dvr_decode_attention": a.dvr_decode_attention, "window": a.window, "group": a.group})
     for spec, kind, key, nums in parsed:
         if kind == "mix":
             in_lens, out_lens = mixes[spec]
@@ -1572,8 +1570,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--modes", type=_csv, default=[],
                    help="compare_modes sections: run only these modes (nondeterministic, dvr_2pct, dvr_10pct, "
                         "dvr_50pct, dvr_100pct, batch_invariant); default: all")
-    p.add_argument("--window", type=int, default=None,
-                   help="W of the compare_modes sections' engines (default: 32)")
+    p.add_argument("--window", type=int, default=32, help="W of the compare_modes sections' engines")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
                    help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
@@ -1690,7 +1687,7 @@ def main(argv: list[str] | None = None) -> int:
                                              else args.verify_decode_rows),
                       "attention_kernel": triton_paged.KERNEL_ID,
                       "canonical_prefill_min_tokens": args.canonical_prefill_min_tokens,  # None: the engine's
-                      "modes": args.modes or "all", "window": args.window or 32,
+                      "modes": args.modes or "all", "window": args.window,
                       "verify_early_decode": args.verify_early_decode or "engine default (off)",
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)

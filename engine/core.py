@@ -25,8 +25,7 @@ import numpy as np
 
 from engine.config import EngineConfig, Mode
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
-from engine.sampling import (PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred,
-                             sample_rows_launch, splitmix64)
+from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, apply_dvr, apply_teacher, window_applies
@@ -260,10 +259,9 @@ class EngineCore:
     def _verify(self, plan: Plan) -> list[Sequence]:
         """The verify pass, and the decode step it carries (`plan.decode`): the carried rows' samples are
         launched first and stay in flight like a decode step's; the verify rows are sampled and applied.
-        With overlap and `verify_early_decode` (off by default: measured slower on the H200), where the
-        verify rows' samples can be launched on the device (no top-k / top-p / top logprobs), the next
-        decode step of the other rows (`_early_decode`) is launched before they are read, so the host
-        applies them while the GPU runs that step."""
+        With overlap and `verify_early_decode` (off by default), where the verify rows' samples can be
+        launched on the device (no top-k / top-p / top logprobs), the next decode step (`_early_decode`)
+        is launched before they are read, so the host applies them while the GPU runs that step."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         carried = plan.decode
@@ -285,7 +283,7 @@ class EngineCore:
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
         touched: list[Sequence] = []
         early = self.config.overlap and self.config.verify_early_decode
-        launched = sample_rows_launch(flat, specs, ids) if early else None
+        launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:
             # the verify samples are launched: queue the next decode step (chained from the carried rows'
             # in-flight samples) before reading them, so the GPU does not idle while the host applies them

@@ -220,27 +220,12 @@ class PendingSamples:
         return self._ready
 
 
-def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]]
-                         ) -> PendingSamples | None:
-    """`sample_rows` of every row of logits [N, vocab] without waiting for the values on the host, or None
-    when a row needs the host (top-k / top-p masks, top logprobs): the caller then samples with
-    `sample_rows`. Same algorithm and implementation as `sample_rows`, so the same tokens and logprobs."""
-    if any(_filtered(p) or p.logprobs for p, _, _ in specs):
-        return None
-    if not logits.is_cuda:
-        ready = sample_rows(logits, specs)
-        return PendingSamples(torch.tensor([r.token for r in ready], dtype=torch.int64), ready=ready)
-    token, logprob, _ = _launch_device(logits, specs, list(range(logits.shape[0])))
-    return PendingSamples(token, logprob)
-
-
-def sample_rows_launch(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
-                       ) -> PendingSamples | None:
-    """`sample_rows(logits, specs, rows)` launched without waiting for the values on the host (the verify
-    pass reads its samples after launching the next decode step), or None where a row needs the host path
-    (top-k / top-p, top logprobs): the caller then calls `sample_rows`. Same kernel launch as `sample_rows`
-    makes for these rows, so the same tokens and logprobs; on the CPU computed at once."""
-    assert len(rows) == len(specs), (len(rows), len(specs))
+def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
+                         rows: list[int] | None = None) -> PendingSamples | None:
+    """`sample_rows(logits, specs, rows)` without waiting for the values on the host, or None when a row
+    needs the host (top-k / top-p masks, top logprobs): the caller then samples with `sample_rows`. Same
+    algorithm and implementation as `sample_rows`, so the same tokens and logprobs."""
+    rows = list(range(logits.shape[0])) if rows is None else rows
     if any(_filtered(p) or p.logprobs for p, _, _ in specs):
         return None
     if not logits.is_cuda:

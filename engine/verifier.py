@@ -126,8 +126,8 @@ def apply_dvr(row: VerifyRow, samples: list[SampleResult], commit: CommitFn) -> 
         speculated = seq.inflight  # a decode token launched past them before this pass was read stays valid
     else:  # canonical KV now covers the row inputs that are committed: last token + candidates 1..m-1
         seq.kv_len = row.start_pos + m  # (a token in flight past them, if any, is void: the engine drops it)
-    assert seq.is_finished or seq.kv_len == seq.prompt_len + len(seq.tokens) - 1 + len(seq.candidates) + speculated, (
-        seq.kv_len, len(seq.tokens), len(seq.candidates), seq.inflight)
+    kept = seq.prompt_len + len(seq.tokens) - 1 + len(seq.candidates) + speculated
+    assert seq.is_finished or seq.kv_len == kept, (seq.kv_len, len(seq.tokens), len(seq.candidates), seq.inflight)
     return m
 
 

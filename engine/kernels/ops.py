@@ -19,8 +19,9 @@ the SwiGLU must go through it; one stray `x @ w.T` breaks the mode. Inputs may b
 TorchOps on CUDA runs the row ops (RMSNorm with the residual add fused in, SwiGLU, RoPE of q and k in
 one launch) as the Triton kernels of `triton_fused` (one launch each instead of several torch
 elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
-(the SwiGLU computed in fp32 as g / (1 + exp(-g)) and rounded once, as the kernel does). `TorchOps(row_kernels="torch")`
-forces torch everywhere (A/B). On that Triton path TorchOps also offers `rope_write_kv` (see Ops): RoPE that
+(the SwiGLU computed in fp32 as g / (1 + exp(-g)) and rounded once, as the kernel does).
+`TorchOps(row_kernels="torch")` forces torch everywhere (A/B). On that Triton path TorchOps also offers
+`rope_write_kv` (see Ops): RoPE that
 writes K and V into the paged KV cache itself, saving the two index_copy_ launches of write_kv per layer.
 
 BatchInvariantOps on CUDA: the Triton GEMM of triton_matmul (no split-K, tile shape by batch bucket, its

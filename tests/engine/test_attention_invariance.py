@@ -243,8 +243,9 @@ def intra_op_threads(request: pytest.FixtureRequest):
 def test_invariance_holds_at_other_thread_counts(intra_op_threads: int, model_seed: int) -> None:
     """Each run at one thread count; pass tensors large enough (G*W*intermediate > 32768 elements)
     that elementwise kernels split across threads, so chunk tails land inside windows. Several weight
-    seeds: with F.silu as the CPU SwiGLU, 15 of 16 seeds broke this at 3 threads (its scalar tail rounds
-    unlike its vector body), and the single seed tested before happened to hide it."""
+    seeds: with F.silu as the CPU SwiGLU, whose chunk tails round unlike its body
+    (test_plain_silu_rounds_rows_at_thread_chunk_ends_differently), all three fail at 3 threads; the
+    single seed tested before happened to hide it."""
     model = _tiny_llama(torch.float32, hidden=120, intermediate=544, vocab=400, seed=model_seed)
     rng = random.Random(9)
     prompt = [rng.randrange(400) for _ in range(41)]

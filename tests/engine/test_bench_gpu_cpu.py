@@ -75,12 +75,20 @@ def test_parse_args_defaults() -> None:
         bg.parse_args(["--prefill-pass-tile", "8"])
     assert args.verify_decode_rows is None and bg.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
     assert args.concurrent_carried is None and bg.parse_args(["--concurrent-carried", "on"]).concurrent_carried == "on"
+    # the thirteenth session's A/B flags: unset = the engine's defaults, W = 32, every mode
+    ab_flags = (args.canonical_prefill_min_tokens, args.verify_early_decode, args.window, args.modes)
+    assert ab_flags == (None, None, 32, [])
+    ab = bg.parse_args(["--canonical-prefill-min-tokens", "2048", "--verify-early-decode", "on", "--window", "16",
+                        "--modes", "nondeterministic,dvr_100pct"])
+    assert (ab.canonical_prefill_min_tokens, ab.verify_early_decode, ab.window) == (2048, "on", 16)
+    assert ab.modes == ["nondeterministic", "dvr_100pct"]
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 
 
-def _ctx(tmp_path: Path, left_s: float = 600.0) -> bg.Ctx:
-    ctx = bg.Ctx(args=argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"]), device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
+def _ctx(tmp_path: Path, left_s: float = 600.0, modes: list[str] | None = None) -> bg.Ctx:
+    args = argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"], modes=modes or [])
+    ctx = bg.Ctx(args=args, device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
     ctx.deadline = time.perf_counter() + left_s
     return ctx
 
@@ -155,6 +163,17 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
     assert "compare_modes_synthetic dvr_100pct" in text and "summary failed" not in text
     bg.chart(ctx.result, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
+
+
+def test_run_modes_runs_only_the_modes_asked_for(tmp_path: Path, tiny_make: Any) -> None:
+    """--modes: the other modes are neither run nor recorded; the ratio still has its baseline."""
+    ctx = _ctx(tmp_path, modes=["nondeterministic", "dvr_100pct"])
+    ctx.begin("compare_modes_synthetic", None)
+    res = ctx.open({"modes": {}})
+    bg._run_modes(ctx, tiny_make, [[3, 5, 7, 9], [4, 5, 7, 10]], [5, 3], 60.0, "t", res["modes"])
+    assert list(res["modes"]) == ["nondeterministic", "dvr_100pct"]
+    assert res["modes"]["dvr_100pct"]["stats"]["verify_passes"] > 0
+    assert "ratio_to_nondeterministic" in res["modes"]["dvr_100pct"]
 
 
 def test_step_kind_reads_the_pass_counters() -> None:
