@@ -21,8 +21,8 @@ one launch) as the Triton kernels of `triton_fused` (one launch each instead of 
 elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it runs plain torch ops
 (the SwiGLU computed in fp32 as g / (1 + exp(-g)) and rounded once, as the kernel does).
 `TorchOps(row_kernels="torch")` forces torch everywhere (A/B). On that Triton path TorchOps also offers
-`rope_write_kv` (see Ops): RoPE that
-writes K and V into the paged KV cache itself, saving the two index_copy_ launches of write_kv per layer.
+`rope_write_kv` (see Ops): RoPE that writes K and V into the paged KV cache itself, saving the two
+index_copy_ launches of write_kv per layer.
 
 BatchInvariantOps on CUDA: the Triton GEMM of triton_matmul (no split-K, tile shape by batch bucket, its
 bits checked shape-independent), triton_fused's row kernels (batch invariant by construction) and
