@@ -24,6 +24,7 @@ _ENGINE_COUNTERS = {
     "verify_seconds": "Seconds spent in verify passes",
     "carried_decode_rows": "Decode rows run inside verify passes",
     "early_decode_steps": "Decode steps launched before the preceding verify pass's samples were read",
+    "chained_verify_passes": "Verify passes launched before the preceding decode step's samples were read",
     "preemptions": "Requests preempted for lack of KV blocks",
 }
 _ENGINE_GAUGES = {"running": "Requests running in the engine", "waiting": "Requests queued in the engine"}

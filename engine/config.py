@@ -110,6 +110,15 @@ class EngineConfig:
                                         # and 1k set against 0.825 / 0.825 / 0.904 without it, two machines;
                                         # README, thirteenth session); this one is not GPU-measured. Never changes
                                         # a committed bit.
+    chained_verify: bool = False        # with overlap: a verify pass that is due while a decode step is in flight
+                                        # is planned from the known candidates and launched behind that step (the
+                                        # rows it carries take their input ids from that step's tokens on the
+                                        # device, as a chained decode step does), so the GPU does not idle while
+                                        # the host reads the step and plans the pass. The ">= G windows" trigger
+                                        # then counts known candidates only (a pass may come one step later);
+                                        # where the known windows are fewer than the sync plan's, or KV is short,
+                                        # the pass is planned after the read as before. Never changes a committed
+                                        # bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -157,6 +166,7 @@ class EngineConfig:
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
         _check(isinstance(self.verify_early_decode, bool), "verify_early_decode",
                f"must be a bool, got {self.verify_early_decode!r}")
+        _check(isinstance(self.chained_verify, bool), "chained_verify", f"must be a bool, got {self.chained_verify!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical_step_short" if on_cuda else "split")
         if self.dvr_lookahead is None:

@@ -52,6 +52,7 @@ class EngineStats:
     verify_seconds: float = 0.0
     carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
     early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
+    chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
 
 
 @dataclass
@@ -149,6 +150,8 @@ class EngineCore:
         """One pass. Returns the sequences whose committed state changed (or finished)."""
         touched: list[Sequence] = []
         plan = self.scheduler.chained_decode() if self._inflight is not None else None
+        if plan is None and self._inflight is not None and self.config.chained_verify:
+            plan = self.scheduler.chained_verify()  # launched behind the in-flight step, which it then reads
         if plan is None:
             touched += self._retire(self._settle())
             plan = self.scheduler.schedule()
@@ -261,19 +264,32 @@ class EngineCore:
         launched first and stay in flight like a decode step's; the verify rows are sampled and applied.
         With overlap and `verify_early_decode` (off by default), where the verify rows' samples can be
         launched on the device (no top-k / top-p / top logprobs), the next decode step (`_early_decode`)
-        is launched before they are read, so the host applies them while the GPU runs that step."""
+        is launched before they are read, so the host applies them while the GPU runs that step.
+        A chained pass (`Scheduler.chained_verify`) is planned with the decode step before it in flight: it is
+        launched behind that step (carried rows whose last token is in flight take it on the device), and
+        that step is read only then, before the pass's samples are applied."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         carried = plan.decode
+        prev = self._inflight
         for seq in carried:
-            assert seq.inflight == 0 and seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len)
+            assert seq.inflight <= (prev is not None) and seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len)
+        chain = None
+        if prev is not None:
+            dst = [j for j, s in enumerate(carried) if s.inflight]
+            chain = (prev.samples.tokens, dst, [prev.row_of[carried[j].key] for j in dst])
         logits, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
-            [Row([s.last_token], s.kv_len, self._table(s)) for s in carried])
+            [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in carried],
+            chain=chain)
         if carried:
             assert carried_logits is not None
             pending, stays = self._launch_samples(carried, carried_logits)
             self.totals.carried_decode_rows += len(carried)
+        touched: list[Sequence] = []
+        if prev is not None:
+            self.totals.chained_verify_passes += 1
+            touched += self._settle()  # the step before the pass: its tokens are read now, applied first
         w = logits.shape[1]
         flat = logits.view(-1, logits.shape[-1])  # [rows * W, vocab]; sampled where it lies (device or host)
         ids: list[int] = []
@@ -281,7 +297,6 @@ class EngineCore:
         for r, row in enumerate(plan.verify):
             ids += range(r * w, r * w + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
-        touched: list[Sequence] = []
         early = self.config.overlap and self.config.verify_early_decode
         launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:

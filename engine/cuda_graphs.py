@@ -314,6 +314,10 @@ class VerifyGraph:
         self.static.stage(self.rows, ids, positions, slots, seq_lens, tables, 0, 0)
         return True
 
+    def input_ids(self) -> torch.Tensor:
+        """The staged input ids Int64[G*W + D] on the device (a chained pass patches its carried rows')."""
+        return self.static.i64[0, : self.tokens]
+
     def stage_dummy(self, scratch_slot: int, zero_block: int = 0) -> None:
         """Inputs for capture that touch no live sequence: every token writes the scratch slot."""
         n = self.tokens

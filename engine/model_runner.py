@@ -149,12 +149,13 @@ class ModelRunner:
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def verify(self, rows: list[Row], carried: list[Row] | None = None
+    def verify(self, rows: list[Row], carried: list[Row] | None = None, chain: Chain | None = None
                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Exactly G x W verify tokens, then D = verify_decode_rows one-token decode rows (`carried`, dummy
         rows after them). Returns ([len(rows), W, vocab] logits of the verify rows, the dummy rows' dropped;
         [len(carried), vocab] logits of the carried rows, or None when D = 0). Under the verify graph both
-        are views of its output, valid until the next verify: the caller samples them at once."""
+        are views of its output, valid until the next verify: the caller samples them at once.
+        chain = (tokens, dst, src): carried row dst[i]'s input id is tokens[src[i]] (as `decode`'s)."""
         g, w, d = self.config.group, self.config.window, self.config.verify_decode_rows
         carried = carried or []
         assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
@@ -162,12 +163,17 @@ class ModelRunner:
         lay = self._layout(rows, pad_to=(g, w))
         if d:
             lay = _concat_layouts(lay, self._carried_layout(carried, d, g * w))
+        if chain is not None:  # carried rows follow the G x W verify tokens
+            assert all(0 <= j < len(carried) for j in chain[1]), "a chained row that is not carried"
+            chain = (chain[0], [g * w + j for j in chain[1]], chain[2])
         logits = None
         if self.verify_graph is not None and self.verify_graph.stage(lay.ids, lay.positions, lay.slots,
                                                                       lay.seq_lens, lay.block_tables):
+            self._chain_ids(self.verify_graph.input_ids(), chain)
             logits = self.verify_graph.replay().float()
         if logits is None:
             input_ids, positions, meta = self._to_device(PassKind.VERIFY, lay, None, carried_rows=d)
+            self._chain_ids(input_ids, chain)
             hidden = self.model(input_ids, positions, meta, self.kv)
             assert hidden.shape[0] == g * w + d, hidden.shape
             logits = self.model.compute_logits(hidden).float()  # [G*W + D, vocab], one fixed GEMM shape

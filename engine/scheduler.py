@@ -140,7 +140,8 @@ class Scheduler:
         if exclude or not_ready:
             ready = [s for s in ready if s not in exclude and s not in not_ready]
             decodable = [s for s in decodable if s not in exclude]
-        if not decodable or self._verify_due(ready, decodable, self.step_index + 1):
+        if not decodable or self._verify_due(ready, decodable, self.step_index + 1,
+                                             known_only=self.config.chained_verify):
             return None
         need = sum(self.blocks.extra_blocks(seq_key(s), s.num_tokens) for s in decodable)
         if need > self.blocks.num_free:
@@ -150,18 +151,51 @@ class Scheduler:
             self.blocks.ensure(seq_key(s), s.num_tokens)
         return Plan(StepKind.DECODE, decode=decodable)
 
+    def chained_verify(self) -> Plan | None:
+        """The verify pass `schedule` would plan now, planned while the previous decode step's tokens are
+        still on the device (EngineConfig.chained_verify): its windows hold known candidates only, and the
+        rows it carries take their input ids from the in-flight tokens (the engine chains them as it does a
+        decode step's). None where `schedule` could plan something else (a prefill), the verify trigger does
+        not hold, the in-flight tokens would complete a window this pass could take (the pass planned after
+        the read holds more), or KV is short (planning after the read may preempt; this never does)."""
+        if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
+            return None
+        ready, decodable = self._classify()
+        step = self.step_index + 1
+        if not ready or not self._verify_due(ready, decodable, step, known_only=True):
+            return None
+        g, w = self.config.group, self.config.window
+        known = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g, known_only=True) for s in ready}
+        every = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in ready}
+        if min(sum(known.values()), g) < min(sum(every.values()), g):
+            return None
+        picks = [(s, j) for j in range(g) for s in ready if j < known[s]][:g]
+        taken = list(dict.fromkeys(s for s, _ in picks))
+        if not taken:
+            return None
+        if sum(self.blocks.extra_blocks(seq_key(s), verify_slots(s)) for s in taken) > self.blocks.num_free:
+            return None
+        self.step_index = step
+        for s in taken:
+            self.blocks.ensure(seq_key(s), verify_slots(s))
+        built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index) for s, index in picks]
+        return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(taken)))
+
     def _head_fits(self) -> bool:
         """The queue's head could be admitted now (its prompt's KV is free): a prefill pass could be planned.
         Every prefill plan starts with the head, so when it does not fit no prefill is planned."""
         head = self.waiting[0]
         return self.blocks.extra_blocks(seq_key(head), prefill_len(head) + 1) <= self.blocks.num_free
 
-    def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int) -> bool:
+    def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int, known_only: bool = False
+                    ) -> bool:
         """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): >= G windows ready,
         nothing to decode, a ready row that cannot decode (stop candidate, run-ahead cap, teacher windows)
         waited W steps, or any ready row waited W + dvr_lookahead steps. A row that keeps running ahead
         while it waits gathers more windows, which a later pass takes together (fewer, fuller passes);
-        its wait is bounded by its run-ahead cap. Rows first seen ready start waiting now, so none starves."""
+        its wait is bounded by its run-ahead cap. Rows first seen ready start waiting now, so none starves.
+        `known_only`: windows count known candidates, not in-flight tokens (EngineConfig.chained_verify: the
+        pass is then planned before they are read)."""
         if not rows:
             return False
         for s in rows:
@@ -177,7 +211,7 @@ class Scheduler:
             waited = step - s.ready_since  # type: ignore[operator]  # set above
             if waited >= w + config.dvr_lookahead or (waited >= w and s not in moving):
                 return True
-            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g - windows)
+            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g - windows, known_only)
             if windows >= g:
                 return True
         return False
@@ -394,14 +428,16 @@ def can_run_ahead(seq: Sequence, window: int, eos_ids: set[int], lookahead: int)
     return seq.num_candidates < cap
 
 
-def dvr_windows(seq: Sequence, window: int, eos_ids: set[int], limit: int) -> int:
+def dvr_windows(seq: Sequence, window: int, eos_ids: set[int], limit: int, known_only: bool = False) -> int:
     """How many consecutive windows of a DVR row one verify pass can take now (at most `limit`): window 0
     once `candidate_done`, then window j >= 1 (input c_{jW}, the bonus slot of window j-1) while the
     candidates fill it — W-1 of them, or up to max_tokens, or up to a stop candidate. Counts in-flight
     tokens as candidates (the chained planner's view; a verify pass itself runs with none in flight).
-    Window 0 is there exactly when `candidate_done` holds."""
+    Window 0 is there exactly when `candidate_done` holds. `known_only`: in-flight tokens do not count (the
+    windows a chained verify pass can take before they are read)."""
     stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
-    n = len(seq.candidates) if stopped else seq.num_candidates  # a token in flight past a stop is dropped
+    # a token in flight past a stop is dropped
+    n = len(seq.candidates) if stopped or known_only else seq.num_candidates
     left = seq.params.max_tokens - len(seq.tokens)  # outputs still to commit
     count = 0
     while count < limit:

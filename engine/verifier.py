@@ -55,7 +55,8 @@ def dvr_row(seq: Sequence, window: int, index: int = 0) -> VerifyRow:
     window taken stay for a later pass."""
     s = len(seq.tokens)
     assert s >= 1 and seq.candidates, (seq.request_id, s, len(seq.candidates))
-    assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates), "fast path KV counter drift"
+    # a token in flight (a chained verify pass is planned before the step before it is read) holds its slot
+    assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates) + seq.inflight, "fast path KV counter drift"
     if index == 0:
         k = min(len(seq.candidates), seq.max_candidates(window))
         return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates[:k]], seq.prompt_len + s - 1, None)

@@ -176,13 +176,14 @@ def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
 @pytest.mark.parametrize("early", [False, True])
 def test_real_model_dvr_bits_with_overlap(make_real_llm, early: bool) -> None:
     """SmolLM2 (fp32, CPU): deterministic requests among fast co-traffic give the same token ids and
-    logprobs with overlap on as a lone run with overlap off; also with carried rows and the early decode
-    step after each verify pass (verify_early_decode)."""
+    logprobs with overlap on as a lone run with overlap off; also with carried rows, the early decode
+    step after each verify pass (verify_early_decode) and verify passes launched behind the step in
+    flight (chained_verify)."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
     det = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
                           deterministic=True, ignore_eos=True) for i in range(len(prompts))]
     ref = [make_real_llm(window=8, group=2).generate([p], [sp])[0] for p, sp in zip(prompts, det)]
-    extra = dict(verify_early_decode=True, verify_decode_rows=4) if early else {}
+    extra = dict(verify_early_decode=True, verify_decode_rows=4, chained_verify=True) if early else {}
     llm = make_real_llm(window=8, group=2, overlap=True, max_num_seqs=8, **extra)
     counts = _count_chained(llm)
     fast = [SamplingParams(max_tokens=25 + 5 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
@@ -190,7 +191,8 @@ def test_real_model_dvr_bits_with_overlap(make_real_llm, early: bool) -> None:
     assert_same(ref, outs[: len(prompts)])
     assert counts["chained_steps"] > 0 and counts["chained_rows"] > 0, counts
     if early:
-        assert llm.core.stats().early_decode_steps > 0, llm.core.stats()
+        stats = llm.core.stats()
+        assert stats.early_decode_steps > 0 and stats.chained_verify_passes > 0, stats
 
 
 def test_chained_input_ids_are_the_previous_steps_tokens(make_mock_llm) -> None:
@@ -296,3 +298,79 @@ def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_
     assert on.core.stats().early_decode_steps == 0 and on.core.stats().verify_passes > 0
     off_filtered = make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4)
     assert_same(off_filtered.generate(prompts, filtered), got)
+
+
+@pytest.mark.parametrize(("carry", "fault_rate", "noise", "early"),
+                         [(0, 0.0, 0.3, False), (4, 0.0, 0.3, False), (4, 0.3, 0.3, False), (16, 0.3, 0.3, True),
+                          (4, 0.0, 0.0, True), (4, 0.3, 0.0, True)])
+def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_mock_llm, carry: int, fault_rate: float,
+                                                                       noise: float, early: bool) -> None:
+    """chained_verify: a verify pass due while a decode step is in flight is planned from the known candidates
+    and launched behind it; carried rows take their input ids from that step's tokens on the device. The
+    deterministic outputs are bitwise those of the overlap-off engine (with carried rows, rollbacks, the
+    noisy fast path, and with the early decode after the pass as well); chained passes ran, held only known
+    candidates, and chained carried rows whose last token was in flight."""
+    prompts, params = det_workload(10, VOCAB, max_tokens=(12, 40), seed=6)
+    params = [replace(p, deterministic=False) if i % 3 == 2 else p for i, p in enumerate(_plain(params))]
+    kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry, decode_noise=noise,
+              verify_early_decode=early)
+    ref = make_mock_llm(overlap=False, chained_verify=True, **kw).generate(prompts, params)
+    llm = make_mock_llm(overlap=True, chained_verify=True, **kw)
+    core = llm.core
+    seen = {"chained_rows": 0, "inflight_pass_rows": 0}
+    chained_verify, run_verify = core.scheduler.chained_verify, core.runner.verify
+
+    def record_plan() -> Any:
+        plan = chained_verify()
+        if plan is not None:
+            assert core._inflight is not None
+            for r in plan.verify:  # every input of the pass is known; in-flight tokens come after it
+                seq = r.seq
+                # the last known token sits at kv_len - inflight (an in-flight one, at kv_len, is past it)
+                last = r.start_pos + len(r.tokens) - 1
+                assert last <= seq.kv_len - seq.inflight, (seq.request_id, seq.kv_len, seq.inflight, last)
+                seen["inflight_pass_rows"] += seq.inflight
+        return plan
+
+    def record_verify(rows: Any, carried: Any = None, chain: Any = None) -> Any:
+        if chain is not None:
+            seen["chained_rows"] += len(chain[1])
+        return run_verify(rows, carried, chain=chain)
+
+    core.scheduler.chained_verify, core.runner.verify = record_plan, record_verify
+    got = llm.generate(prompts, params)
+    det = [i for i, p in enumerate(params) if p.deterministic]  # the mock's fast path is batch-dependent
+    assert_same([ref[i] for i in det], [got[i] for i in det])
+    if not noise and not fault_rate:  # no rollback: every window is full (W-1 candidates), whatever the timing
+        assert [ref[i].windows for i in det] == [got[i].windows for i in det]
+    for i, (o, p) in enumerate(zip(got, params)):
+        assert o.finished and (len(o.token_ids) == p.max_tokens or o.finish_reason == "stop"), (i, o)
+    stats = core.stats()
+    assert stats.chained_verify_passes > 0 and stats.verify_passes > stats.chained_verify_passes // 2, stats
+    assert seen["inflight_pass_rows"] > 0, seen
+    if carry:
+        assert seen["chained_rows"] > 0, seen
+    if fault_rate:
+        assert stats.rollbacks > 0, stats
+    elif not noise:  # the fast path is the verifier's: a carried row that read a wrong input id would roll back
+        assert stats.rollbacks == 0, stats
+    assert all(s.stale_inflight == 0 and s.inflight == 0 for s in core.seqs.values())
+
+
+def test_no_chained_verify_by_default_or_without_overlap(make_mock_llm) -> None:
+    """chained_verify off (the default) or overlap off: every verify pass is planned after the step before it
+    was read; the outputs are the same as with it on."""
+    prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
+    params = _plain(params)
+    default = make_mock_llm(overlap=True, verify_decode_rows=4)
+    assert default.config.chained_verify is False
+    by_default = default.generate(prompts, params)
+    assert default.core.stats().chained_verify_passes == 0 and default.core.stats().verify_passes > 0
+    off = make_mock_llm(overlap=False, chained_verify=True, verify_decode_rows=4)
+    assert_same(off.generate(prompts, params), by_default)  # every request here is deterministic
+    assert off.core.stats().chained_verify_passes == 0
+    on = make_mock_llm(overlap=True, chained_verify=True, verify_decode_rows=4)
+    assert_same(on.generate(prompts, params), by_default)
+    assert on.core.stats().chained_verify_passes > 0
+    with pytest.raises(ValueError, match="chained_verify"):
+        make_mock_llm(chained_verify="yes")
