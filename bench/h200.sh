@@ -13,7 +13,8 @@
 # mixes with --concurrent-carried on and the 4k set with --prefill-pass-tile 64: the switches built off),
 # vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py), mixes (the two mixes and
 # the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap),
-# levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set).
+# levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set),
+# levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -111,6 +112,17 @@ stage_levers13() {  # the thirteenth session's open A/Bs, each pair on one machi
     timeout 100 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
       --synthetic-sets 16x1024x256 --modes nondeterministic,dvr_100pct --canonical-prefill-min-tokens $p \
       --deadline-s 90 --out "$OUT" --name gpu-bench-1k-p$p 2>&1 | grep -v Warn | tail -6
+  done
+}
+
+stage_levers14() {  # the fourteenth session's A/B, one machine (at most 3 x 170 s): chained verify passes off / on with
+  # the early decode on, then both on with 2048-token canonical prefill passes
+  for cfg in "off 8192" "on 8192" "on 2048"; do
+    set -- $cfg
+    timeout 170 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_100pct \
+      --verify-early-decode on --chained-verify $1 --canonical-prefill-min-tokens $2 --deadline-s 160 --out "$OUT" \
+      --name gpu-bench-chained-$1-p$2 2>&1 | grep -v Warn | tail -8
   done
 }
 

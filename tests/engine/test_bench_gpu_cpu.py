@@ -82,6 +82,7 @@ def test_parse_args_defaults() -> None:
                         "--modes", "nondeterministic,dvr_100pct"])
     assert (ab.canonical_prefill_min_tokens, ab.verify_early_decode, ab.window) == (2048, "on", 16)
     assert ab.modes == ["nondeterministic", "dvr_100pct"]
+    assert args.chained_verify is None and bg.parse_args(["--chained-verify", "on"]).chained_verify == "on"
     with pytest.raises(SystemExit):
         bg.parse_args(["--sections", "nope"])
 
