@@ -115,13 +115,13 @@ stage_levers13() {  # the thirteenth session's open A/Bs, each pair on one machi
   done
 }
 
-stage_levers14() {  # the fourteenth session's A/B, one machine (at most 3 x 170 s): chained verify passes off / on with
+stage_levers14() {  # the fourteenth session's A/B, one machine (at most 3 x 175 s): chained verify passes off / on with
   # the early decode on, then both on with 2048-token canonical prefill passes
   for cfg in "off 8192" "on 8192" "on 2048"; do
     set -- $cfg
-    timeout 170 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
-      --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_100pct \
-      --verify-early-decode on --chained-verify $1 --canonical-prefill-min-tokens $2 --deadline-s 160 --out "$OUT" \
+    timeout 175 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_50pct,dvr_100pct \
+      --verify-early-decode on --chained-verify $1 --canonical-prefill-min-tokens $2 --deadline-s 165 --out "$OUT" \
       --name gpu-bench-chained-$1-p$2 2>&1 | grep -v Warn | tail -8
   done
 }

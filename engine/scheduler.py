@@ -2,9 +2,9 @@
 
 Policy per step (first that applies):
 1. PREFILL the head of the waiting queue: a canonical pass (fixed size) when the head is a DVR or replay
-   prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass, or
-   would leave prompts over while such a one waits further back (non-deterministic prompts ride along in
-   all three); else a run of consecutive non-deterministic prompts batched under the token budget.
+   prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass (or holds
+   the prompts before it and it), or would leave prompts over while a full-size one waits further back
+   (non-deterministic prompts ride along in all three); else a run of consecutive non-deterministic prompts batched under the token budget.
 2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
    nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
    ready row). The pass carries the decode step of up to verify_decode_rows other rows (`Plan.decode`).
@@ -250,6 +250,9 @@ class Scheduler:
         follows anyway; the first full-size DVR prompt further back is pulled into this one (after the
         queue's head), so that the pass left for the end is not a padded canonical one (on the 8B, a
         mostly padded 8192-token pass costs what a full one does: 0.18 s, `prefill alone` in the core bench).
+        A DVR / replay prompt with a smaller canonical pass (canonical_prefill_min_tokens below the budget)
+        in reach anchors a canonical pass when the non-deterministic prompts before it and it fit in that
+        pass; otherwise the plain pass stops before it (it already holds at least that pass's tokens).
         (None, False) when neither applies."""
         budget, rows = self.config.max_num_batched_tokens, 0
         room = min(self.config.max_num_seqs - len(self.running), CANONICAL_PREFILL_ROWS)
@@ -265,7 +268,11 @@ class Scheduler:
                 beyond = (s for s in itertools.islice(self.waiting, i, None) if s.kind != SeqKind.FAST)
                 return next((s for s in beyond if full_size(s)), None), False
             if seq.kind != SeqKind.FAST:
-                return (seq if full_size(seq) else None), True
+                # a smaller canonical pass: taken when the prompts before it and it fit in it (a plain pass
+                # stopping here would be smaller than the canonical pass that follows it anyway)
+                used = self.config.max_num_batched_tokens - budget
+                fits = used + n <= canonical_prefill_tokens(self.config, n)
+                return (seq if full_size(seq) or fits else None), True
             budget, rows = budget - n, rows + 1
         return None, False
 

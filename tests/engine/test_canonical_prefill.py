@@ -187,6 +187,24 @@ def test_a_small_canonical_pass_is_not_pulled_forward() -> None:
     assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r2"]
 
 
+def test_a_small_canonical_pass_takes_the_fast_prompts_before_it_when_they_fit() -> None:
+    """A plain pass reaching a DVR prompt whose canonical pass is smaller than a plain pass, with fewer tokens
+    before it than fit in that pass with it: the pass becomes that canonical pass (the fast prompts before it,
+    then it, then fast prompts that still fit), instead of a small plain pass and a padded canonical one.
+    When they would not fit, the plain pass stops before it (the test above)."""
+    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                       canonical_prefill_min_tokens=64)
+    sched = Scheduler(cfg, set())
+    for s in [_seq(0, 20, False), _seq(1, 30, True), _seq(2, 100, False), _seq(3, 10, False), _seq(4, 40, True)]:
+        sched.add(s)
+    plan = sched.schedule()
+    assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r0", "r1", "r3"]
+    plan = sched.schedule()  # r2 (100 tokens) is more than r4's 64-token pass holds: plain, stopping before r4
+    assert plan.pass_tokens is None and [it.seq.request_id for it in plan.prefill] == ["r2"]
+    plan = sched.schedule()
+    assert plan.pass_tokens == 64 and [it.seq.request_id for it in plan.prefill] == ["r4"]
+
+
 def test_an_oversized_head_is_prefilled_plain_before_a_deterministic_prompt_is_pulled() -> None:
     """A preempted fast sequence re-prefills prompt + outputs, which can exceed the budget: a plain pass
     takes it alone. It would not fit a canonical pass of the budget's size, so no DVR prompt is pulled
