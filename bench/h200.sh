@@ -14,7 +14,8 @@
 # vprobe (the canonical decode kernel's programs per launch: bench/verify_probe.py), mixes (the two mixes and
 # the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap),
 # levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set),
-# levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes).
+# levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes),
+# levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -124,6 +125,22 @@ stage_levers14() {  # the fourteenth session's A/B, one machine (at most 3 x 175
       --verify-early-decode on --chained-verify $1 --canonical-prefill-min-tokens $2 --deadline-s 165 --out "$OUT" \
       --name gpu-bench-chained-$1-p$2 2>&1 | grep -v Warn | tail -8
   done
+}
+
+stage_levers15() {  # the sixteenth session's A/B, one machine (at most 2 x 175 s): verify passes padded / packed,
+  # early decode on, 8192-token canonical passes
+  for pk in padded packed; do
+    timeout 175 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_10pct,dvr_100pct \
+      --verify-early-decode on --verify-packing $pk --deadline-s 165 --out "$OUT" \
+      --name gpu-bench-verify-$pk 2>&1 | grep -v Warn | tail -8
+  done
+}
+
+stage_packtests() {  # the packed verify pass's gpu tests, and the dvr / carry / graphs tests it touches
+  timeout "${PACKTESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -s \
+    tests/engine/test_gpu_verify_packing.py tests/engine/test_gpu_verify_carry.py \
+    tests/engine/test_gpu_engine_graphs.py 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-packing.txt" | tail -30
 }
 
 stage_canonical() {

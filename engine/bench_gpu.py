@@ -622,6 +622,8 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
         kw.setdefault("verify_early_decode", ctx.args.verify_early_decode == "on")
     if ctx.args.chained_verify is not None:
         kw.setdefault("chained_verify", ctx.args.chained_verify == "on")
+    if ctx.args.verify_packing is not None and kw.get("mode", "dvr") == "dvr":
+        kw.setdefault("verify_packing", ctx.args.verify_packing)
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
 
@@ -1572,6 +1574,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chained-verify", choices=["on", "off"], default=None,
                    help="EngineConfig.chained_verify for every engine of the run (a verify pass due while a decode "
                         "step is in flight is launched behind it); default: the engine's")
+    p.add_argument("--verify-packing", choices=["padded", "packed"], default=None,
+                   help="EngineConfig.verify_packing for every dvr engine of the run (packed: a verify pass lays "
+                        "its windows back to back and takes as many as fit in G*W tokens); default: the engine's")
     p.add_argument("--modes", type=_csv, default=[],
                    help="compare_modes sections: run only these modes (nondeterministic, dvr_2pct, dvr_10pct, "
                         "dvr_50pct, dvr_100pct, batch_invariant); default: all")
@@ -1695,6 +1700,7 @@ def main(argv: list[str] | None = None) -> int:
                       "modes": args.modes or "all", "window": args.window,
                       "verify_early_decode": args.verify_early_decode or "engine default (off)",
                       "chained_verify": args.chained_verify or "engine default",
+                      "verify_packing": args.verify_packing or "engine default (padded)",
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
                       "packed_canonical_decode_8b": packed_matches_8b()}

@@ -119,6 +119,15 @@ class EngineConfig:
                                         # where the known windows are fewer than the sync plan's, or KV is short,
                                         # the pass is planned after the read as before. Never changes a committed
                                         # bit.
+    verify_packing: str = "padded"      # "padded": every window of a verify pass takes W token slots (a window
+                                        # that ends at a stop or max_tokens is padded with dummies); "packed":
+                                        # windows sit back to back, so a pass takes as many as fit in its G*W
+                                        # tokens (at most verify_max_windows) and dummy rows fill the rest. The
+                                        # pass keeps its token count (every GEMM its shape) and each query its
+                                        # absolutely aligned attention tiles, so a window's bits do not depend
+                                        # on where it sits: never changes a committed bit (tests compare the
+                                        # two bit for bit; not part of the runtime identity).
+    verify_max_windows: int | None = None  # packed: windows per verify pass (None: 2G); padded: always G
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -193,6 +202,15 @@ class EngineConfig:
         _check(self.verify_decode_rows == 0 or self.attention_backend in ("torch", "triton"), "verify_decode_rows",
                f"the {self.attention_backend!r} attention backend cannot carry decode rows in a verify pass; "
                "use triton or torch, or set it to 0")
+        _check(self.verify_packing in ("padded", "packed"), "verify_packing",
+               f"one of padded/packed, got {self.verify_packing!r}")
+        if self.verify_max_windows is None:
+            object.__setattr__(self, "verify_max_windows", 2 * self.group if self.verify_packing == "packed"
+                               else self.group)
+        _check(isinstance(self.verify_max_windows, int) and self.verify_max_windows >= self.group,
+               "verify_max_windows", f"must be an int >= G = {self.group}, got {self.verify_max_windows!r}")
+        _check(self.verify_packing == "packed" or self.verify_max_windows == self.group, "verify_max_windows",
+               f"a padded verify pass holds exactly G = {self.group} windows, got {self.verify_max_windows}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
 

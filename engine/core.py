@@ -278,7 +278,7 @@ class EngineCore:
         if prev is not None:
             dst = [j for j, s in enumerate(carried) if s.inflight]
             chain = (prev.samples.tokens, dst, [prev.row_of[carried[j].key] for j in dst])
-        logits, carried_logits = self.runner.verify(
+        logits, starts, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
             [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in carried],
             chain=chain)
@@ -290,12 +290,11 @@ class EngineCore:
         if prev is not None:
             self.totals.chained_verify_passes += 1
             touched += self._settle()  # the step before the pass: its tokens are read now, applied first
-        w = logits.shape[1]
-        flat = logits.view(-1, logits.shape[-1])  # [rows * W, vocab]; sampled where it lies (device or host)
+        flat = logits  # [G * W, vocab]; sampled where it lies (device or host)
         ids: list[int] = []
         specs: list[tuple[SamplingParams, int, int]] = []
-        for r, row in enumerate(plan.verify):
-            ids += range(r * w, r * w + row.num_outputs)
+        for row, first in zip(plan.verify, starts, strict=True):
+            ids += range(first, first + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
         early = self.config.overlap and self.config.verify_early_decode
         launched = sample_rows_deferred(flat, specs, ids) if early else None

@@ -282,17 +282,23 @@ class DecodeGraphs:
 
 class VerifyGraph:
     """One captured verify pass (forward + logits of all its tokens) over static buffers: G rows of W tokens,
-    then `carried` one-token decode rows (EngineConfig.verify_decode_rows; 0: none)."""
+    then `carried` one-token decode rows (EngineConfig.verify_decode_rows; 0: none). Packed
+    (`max_windows`, EngineConfig.verify_packing): the G*W verify tokens sit in max_windows + G rows of
+    0 .. W tokens each, whose query starts are staged with every pass."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, group: int, window: int, max_seq_len: int,
-                 carried: int = 0) -> None:
+                 carried: int = 0, max_windows: int | None = None) -> None:
         self.model, self.kv, self.group, self.window, self.carried = model, kv, group, window, carried
         self.max_blocks = -(-max_seq_len // kv.block_size)
         device = kv.k[0].device
-        self.rows, self.tokens = group + carried, group * window + carried
+        self.packed = max_windows is not None
+        verify_rows = max_windows + group if max_windows is not None else group
+        self.rows, self.tokens = verify_rows + carried, group * window + carried
         self.static = _StaticPass(self.rows, window, self.max_blocks, device)
-        starts = [r * window for r in range(group + 1)] + [group * window + i for i in range(1, carried + 1)]
-        self.qsl = torch.tensor(starts, dtype=torch.int32, device=device)  # Int[G + D + 1], fixed
+        starts = [r * window for r in range(group + 1)] + [group * window] * (verify_rows - group)
+        starts += [group * window + i for i in range(1, carried + 1)]
+        self.qsl = torch.tensor(starts, dtype=torch.int32, device=device)  # Int[rows + 1]; staged when packed
+        self.host_qsl = torch.tensor(starts, dtype=torch.int32).pin_memory() if device.type == "cuda" else None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.bit_exact: bool | None = None
@@ -300,19 +306,33 @@ class VerifyGraph:
     def _forward(self) -> torch.Tensor:
         ids, pos, slots, lens, tables = self.static.token_views(self.rows, self.tokens)
         meta = AttentionMetadata(kind=PassKind.VERIFY, slot_mapping=slots, query_start_loc=self.qsl,
-                                 seq_lens=lens, block_tables=tables, carried_rows=self.carried)
+                                 seq_lens=lens, block_tables=tables, carried_rows=self.carried,
+                                 verify_window=self.window if self.packed else 0)
         return self.model.compute_logits(self.model(ids, pos, meta, self.kv))
 
     def stage(self, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
               slots: Sequence[int] | np.ndarray, seq_lens: Sequence[int] | np.ndarray,
-              tables: Sequence[Sequence[int]] | np.ndarray) -> bool:
-        """All G*W + D tokens of G + D rows given (dummies included, as the model runner lays them out);
-        tables as lists or an Int[G + D, NB] array padded with block 0. False when a block table is wider
-        than the captured one (the caller then runs the pass eagerly)."""
+              tables: Sequence[Sequence[int]] | np.ndarray, qsl: Sequence[int] | np.ndarray | None = None) -> bool:
+        """All G*W + D tokens of every row given (dummies included, as the model runner lays them out);
+        tables as lists or an Int[rows, NB] array padded with block 0; `qsl` (packed only) the rows' query
+        starts. False when a block table is wider than the captured one (the caller then runs the pass
+        eagerly)."""
         if len(ids) != self.tokens or len(seq_lens) != self.rows or _widest(tables) > self.max_blocks:
             return False
+        if self.packed:
+            assert qsl is not None and len(qsl) == self.rows + 1, "a packed verify pass stages its query starts"
+            self._stage_qsl(qsl)
         self.static.stage(self.rows, ids, positions, slots, seq_lens, tables, 0, 0)
         return True
+
+    def _stage_qsl(self, qsl: Sequence[int] | np.ndarray) -> None:
+        if self.host_qsl is None:
+            self.qsl.copy_(torch.as_tensor(np.asarray(qsl, np.int32)))
+            return
+        if self.static.copied is not None:
+            self.static.copied.synchronize()  # the last pass's copy out of the pinned buffer is done
+        self.host_qsl.numpy()[:] = qsl
+        self.qsl.copy_(self.host_qsl, non_blocking=True)  # recorded by static.stage's event after it
 
     def input_ids(self) -> torch.Tensor:
         """The staged input ids Int64[G*W + D] on the device (a chained pass patches its carried rows')."""
@@ -321,8 +341,9 @@ class VerifyGraph:
     def stage_dummy(self, scratch_slot: int, zero_block: int = 0) -> None:
         """Inputs for capture that touch no live sequence: every token writes the scratch slot."""
         n = self.tokens
+        empty = self.rows - self.group - self.carried  # packed: rows past the G full ones hold no token
         self.static.stage(self.rows, [0] * n, [0] * n, [scratch_slot] * n,
-                          [self.window] * self.group + [1] * self.carried, [[zero_block]] * self.rows,
+                          [self.window] * self.group + [0] * empty + [1] * self.carried, [[zero_block]] * self.rows,
                           scratch_slot, zero_block)
 
     @torch.inference_mode()

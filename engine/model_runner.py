@@ -3,7 +3,7 @@
 Three pass shapes (T tokens in R rows; AttentionMetadata from engine.attention):
   PREFILL  R rows of whole prompts; logits of each row's last token        -> [R, vocab]
   DECODE   R rows of one token;   logits of every row                      -> [R, vocab]
-  VERIFY   exactly G rows x W tokens; logits of all G*W tokens (fixed GEMM shape) -> [G, W, vocab]
+  VERIFY   exactly G*W tokens (G rows of W, or packed rows); logits of all of them (fixed GEMM shape)
 Verify padding: a real row's dummy tokens and whole dummy rows write their K/V to the scratch block,
 so they never touch a live sequence; dummy rows read only the zero block.
 """
@@ -150,35 +150,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify(self, rows: list[Row], carried: list[Row] | None = None, chain: Chain | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Exactly G x W verify tokens, then D = verify_decode_rows one-token decode rows (`carried`, dummy
-        rows after them). Returns ([len(rows), W, vocab] logits of the verify rows, the dummy rows' dropped;
-        [len(carried), vocab] logits of the carried rows, or None when D = 0). Under the verify graph both
+        rows after them). Padded (EngineConfig.verify_packing): row r takes tokens [r W, r W + W), dummies
+        after its own, dummy rows up to G. Packed: the rows back to back (at most verify_max_windows), then
+        dummy rows of at most W tokens up to G x W, then empty rows up to verify_max_windows + G rows.
+        Returns ([G*W, vocab] logits of the verify tokens, the first token of each row among them,
+        [len(carried), vocab] logits of the carried rows or None when D = 0). Under the verify graph both
         are views of its output, valid until the next verify: the caller samples them at once.
         chain = (tokens, dst, src): carried row dst[i]'s input id is tokens[src[i]] (as `decode`'s)."""
         g, w, d = self.config.group, self.config.window, self.config.verify_decode_rows
+        packed = self.config.verify_packing == "packed"
         carried = carried or []
-        assert 1 <= len(rows) <= g and all(1 <= len(r.tokens) <= w for r in rows), "verify shape"
+        assert 1 <= len(rows) <= self.config.verify_max_windows and all(1 <= len(r.tokens) <= w for r in rows), \
+            "verify shape"
         assert len(carried) <= d and all(len(r.tokens) == 1 for r in carried), "carried decode rows"
-        lay = self._layout(rows, pad_to=(g, w))
+        if packed:
+            lay = self._layout(rows, pad_to=None)
+            assert len(lay.ids) <= g * w, ("packed verify rows past G*W tokens", len(lay.ids))
+            lay = _pad_verify(lay, g * w, w, self.config.verify_max_windows + g, self.config.block_size)
+            starts = lay.query_start_loc[: len(rows)].tolist()
+        else:
+            lay = self._layout(rows, pad_to=(g, w))
+            starts = list(range(0, len(rows) * w, w))
         if d:
             lay = _concat_layouts(lay, self._carried_layout(carried, d, g * w))
         if chain is not None:  # carried rows follow the G x W verify tokens
             assert all(0 <= j < len(carried) for j in chain[1]), "a chained row that is not carried"
             chain = (chain[0], [g * w + j for j in chain[1]], chain[2])
         logits = None
-        if self.verify_graph is not None and self.verify_graph.stage(lay.ids, lay.positions, lay.slots,
-                                                                      lay.seq_lens, lay.block_tables):
+        if self.verify_graph is not None and self.verify_graph.stage(
+                lay.ids, lay.positions, lay.slots, lay.seq_lens, lay.block_tables,
+                lay.query_start_loc if packed else None):
             self._chain_ids(self.verify_graph.input_ids(), chain)
             logits = self.verify_graph.replay().float()
         if logits is None:
-            input_ids, positions, meta = self._to_device(PassKind.VERIFY, lay, None, carried_rows=d)
+            input_ids, positions, meta = self._to_device(PassKind.VERIFY, lay, None, carried_rows=d,
+                                                         verify_window=w if packed else 0)
             self._chain_ids(input_ids, chain)
             hidden = self.model(input_ids, positions, meta, self.kv)
             assert hidden.shape[0] == g * w + d, hidden.shape
             logits = self.model.compute_logits(hidden).float()  # [G*W + D, vocab], one fixed GEMM shape
-        verify = logits[: g * w].view(g, w, -1)[: len(rows)]
-        return verify, (logits[g * w: g * w + len(carried)] if d else None)
+        return logits[: g * w], starts, (logits[g * w: g * w + len(carried)] if d else None)
 
     def _carried_layout(self, carried: list[Row], d: int, first_index: int) -> Layout:
         """The D one-token rows a verify pass carries: the real ones (their decode layout), then dummy rows
@@ -228,8 +241,10 @@ class ModelRunner:
             # its row's seq_len), so one graph serves short and long rows at the same cost (while it was
             # capped at GRAPH_MAX_LEN, the 4k/1k set's verify passes all ran eagerly: 31.6 ms a pass, 15.0
             # with the graph)
+            packed = self.config.verify_packing == "packed"
             graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, self.max_model_len,
-                                self.config.verify_decode_rows)
+                                self.config.verify_decode_rows,
+                                max_windows=self.config.verify_max_windows if packed else None)
             graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
             graph.capture()
         except (ValueError, RuntimeError) as exc:
@@ -252,8 +267,8 @@ class ModelRunner:
         self._chain_ids(input_ids, chain)
         return self.model(input_ids, positions, meta, self.kv), meta
 
-    def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None, carried_rows: int = 0
-                   ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def _to_device(self, kind: PassKind, lay: Layout, canonical: np.ndarray | None, carried_rows: int = 0,
+                   verify_window: int = 0) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """One host buffer (pinned on CUDA), one copy to the device; every tensor is a view of it.
 
         Int32 buffer, each region starting on a 16-byte boundary:
@@ -284,6 +299,7 @@ class ModelRunner:
             canonical_rows=None if canonical is None else dev[offs[3]: offs[3] + r],
             canonical_step=canonical is not None and self.canonical_step,
             carried_rows=carried_rows,
+            verify_window=verify_window,
         )
         return i64[:t], i64[t: 2 * t], meta
 
@@ -348,6 +364,31 @@ def _concat_layouts(a: Layout, b: Layout) -> Layout:
                   slots=np.concatenate([a.slots, b.slots]),
                   query_start_loc=np.concatenate([a.query_start_loc, b.query_start_loc[1:] + a.query_start_loc[-1]]),
                   seq_lens=np.concatenate([a.seq_lens, b.seq_lens]), block_tables=tables)
+
+
+def _pad_verify(lay: Layout, tokens: int, window: int, rows: int, block_size: int) -> Layout:
+    """A packed verify pass: the real rows, then dummy rows of at most `window` tokens up to `tokens`
+    (positions 0.., K/V written to the scratch block, keys read from the zero block, as a padded pass's
+    dummy rows), then empty rows (no token, seq_len 0) up to `rows` rows: a fixed row count for the graph."""
+    count = tokens - len(lay.ids)
+    lens = [window] * (count // window) + ([count % window] if count % window else [])
+    lens += [0] * (rows - len(lay.seq_lens) - len(lens))
+    assert len(lay.seq_lens) + len(lens) == rows, ("verify rows", len(lay.seq_lens), len(lens), rows)
+    lens_np = np.asarray(lens, np.int64)
+    real = len(lay.ids)
+    index = real + np.arange(count)
+    starts = np.zeros(len(lens), np.int64)
+    np.cumsum(lens_np[:-1], out=starts[1:])
+    pos = np.arange(count) - np.repeat(starts, lens_np)
+    width = max(lay.block_tables.shape[1], -(-window // block_size))
+    tables = np.full((rows, width), ZERO_BLOCK, np.int32)
+    tables[: lay.block_tables.shape[0], : lay.block_tables.shape[1]] = lay.block_tables
+    qsl = np.concatenate([lay.query_start_loc, (real + np.cumsum(lens_np)).astype(np.int32)])
+    return Layout(ids=np.concatenate([lay.ids, np.full(count, DUMMY_TOKEN, np.int64)]),
+                  positions=np.concatenate([lay.positions, pos]),
+                  slots=np.concatenate([lay.slots, SCRATCH_BLOCK * block_size + index % block_size]),
+                  query_start_loc=qsl, seq_lens=np.concatenate([lay.seq_lens, lens_np.astype(np.int32)]),
+                  block_tables=tables)
 
 
 DUMMY_PREFILL_ROW = 64  # dummy rows of a canonical prefill pass are this short: their attention costs ~nothing

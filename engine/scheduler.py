@@ -164,12 +164,10 @@ class Scheduler:
         step = self.step_index + 1
         if not ready or not self._verify_due(ready, decodable, step, known_only=True):
             return None
-        g, w = self.config.group, self.config.window
-        known = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g, known_only=True) for s in ready}
-        every = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in ready}
-        if min(sum(known.values()), g) < min(sum(every.values()), g):
+        w = self.config.window
+        picks, known = self._pick_windows(ready, known_only=True)
+        if known < self._pick_windows(ready)[1]:
             return None
-        picks = [(s, j) for j in range(g) for s in ready if j < known[s]][:g]
         taken = list(dict.fromkeys(s for s, _ in picks))
         if not taken:
             return None
@@ -204,17 +202,55 @@ class Scheduler:
         if not decodable:
             return True
         config = self.config
-        g, w = config.group, config.window
-        windows = 0
+        w, cap, budget = config.window, config.verify_max_windows, config.group * config.window
+        windows = tokens = 0
         moving = set(decodable)
         for s in rows:
             waited = step - s.ready_since  # type: ignore[operator]  # set above
             if waited >= w + config.dvr_lookahead or (waited >= w and s not in moving):
                 return True
-            windows += 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g - windows, known_only)
-            if windows >= g:
+            costs = self._window_costs(s, cap - windows, known_only)
+            windows, tokens = windows + len(costs), tokens + sum(costs)
+            if tokens >= budget or windows >= cap:
                 return True
         return False
+
+    def _window_costs(self, seq: Sequence, limit: int, known_only: bool = False) -> list[int]:
+        """The token slots each window a ready row could give a verify pass now takes, in order (at most
+        `limit` windows): W each when padded (EngineConfig.verify_packing), its own tokens when packed.
+        A teacher row gives its next recorded window."""
+        w = self.config.window
+        if seq.pending_windows:
+            start, end = seq.pending_windows[0]
+            sizes = [end - start] if limit > 0 else []
+        else:
+            sizes = dvr_window_sizes(seq, w, self.eos_ids, limit, known_only)
+        return sizes if self.config.verify_packing == "packed" else [w] * len(sizes)
+
+    def _pick_windows(self, rows: list[Sequence], known_only: bool = False) -> tuple[list[tuple[Sequence, int]], int]:
+        """(picks, token slots they take): round robin over the ready rows in running order, every row's
+        next window first, then the second windows of rows that ran ahead, and so on, within the pass's
+        G*W token slots and verify_max_windows windows. A row whose window does not fit takes no later
+        window (a row's windows stay in order, window j always after window j-1 in the pass). Padded: the
+        first G windows of that order."""
+        config = self.config
+        cap, budget = config.verify_max_windows, config.group * config.window
+        costs = {s: self._window_costs(s, cap, known_only) for s in rows}
+        picks: list[tuple[Sequence, int]] = []
+        blocked: set[Sequence] = set()
+        used = 0
+        for j in range(cap):
+            for s in rows:
+                if j >= len(costs[s]) or s in blocked:
+                    continue
+                if len(picks) >= cap:
+                    return picks, used
+                if used + costs[s][j] > budget:
+                    blocked.add(s)
+                    continue
+                picks.append((s, j))
+                used += costs[s][j]
+        return picks, used
 
     def _plan_prefill(self) -> Plan | None:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
@@ -328,15 +364,12 @@ class Scheduler:
         return True
 
     def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
-        """Up to G windows, round robin over the ready rows in running order: every row's
-        next window first, then the second windows of rows that ran ahead, and so on (a row's windows stay
-        in order, so its window j always follows window j-1 in the pass)."""
+        """The windows `_pick_windows` takes (up to G, or as many as fit when packed), KV granted."""
         if not rows or not (self._verify_due(rows, decodable, self.step_index) or force):
             return None
-        g, w = self.config.group, self.config.window
+        w = self.config.window
         # running order (admission), not readiness: under KV pressure the oldest rows finish first
-        counts = {s: 1 if s.pending_windows else dvr_windows(s, w, self.eos_ids, g) for s in rows}
-        picks = [(s, j) for j in range(g) for s in rows if j < counts[s]][:g]
+        picks, _ = self._pick_windows(rows)
         taken = list(dict.fromkeys(s for s, _ in picks))
         granted = set(self._allocate([(s, verify_slots(s)) for s in taken]))
         built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index)
@@ -442,20 +475,27 @@ def dvr_windows(seq: Sequence, window: int, eos_ids: set[int], limit: int, known
     tokens as candidates (the chained planner's view; a verify pass itself runs with none in flight).
     Window 0 is there exactly when `candidate_done` holds. `known_only`: in-flight tokens do not count (the
     windows a chained verify pass can take before they are read)."""
+    return len(dvr_window_sizes(seq, window, eos_ids, limit, known_only))
+
+
+def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, known_only: bool = False
+                     ) -> list[int]:
+    """The tokens of each window `dvr_windows` counts (dvr_row's row length: the input before the window's
+    candidates, then them): W for a full window, fewer for one ending at a stop candidate or max_tokens."""
     stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
     # a token in flight past a stop is dropped
     n = len(seq.candidates) if stopped or known_only else seq.num_candidates
     left = seq.params.max_tokens - len(seq.tokens)  # outputs still to commit
-    count = 0
-    while count < limit:
-        first = count * window                       # candidates before window `count` (incl. bonus slots)
+    sizes: list[int] = []
+    while len(sizes) < limit:
+        first = len(sizes) * window                  # candidates before this window (incl. bonus slots)
         rest, cap = n - first, min(window - 1, left - first)
         if rest <= 0 or cap <= 0 or (rest < cap and not stopped):
             break
-        count += 1
+        sizes.append(1 + min(rest, cap))
         if rest <= cap:                              # this window holds the last candidate
             break
-    return count
+    return sizes
 
 
 def verify_slots(seq: Sequence) -> int:

@@ -39,6 +39,10 @@ class AttentionMetadata:
     # W tokens (EngineConfig.verify_decode_rows; dummy rows where fewer are carried). Backends give the G rows
     # the verifier's numerics and the carried rows any decode numerics; no carried row changes a G row's bits.
     carried_rows: int = 0
+    # VERIFY only, packed (EngineConfig.verify_packing): W, the most tokens a verify row holds; its rows then hold
+    # 0 .. W tokens each (0: every verify row holds exactly W). Backends give each verify query the bits it gets
+    # in a padded pass (rows of exactly W tokens).
+    verify_window: int = 0
 
     @property
     def num_rows(self) -> int:

@@ -40,6 +40,11 @@ class TileGroup:
     stale_keys: tuple[torch.Tensor | None, ...]  # per tile, Bool[R, 1, tile, 1]: key pos >= the row's seq_len;
     # their V is zeroed so a stale NaN never meets p = 0 (0 * NaN); None when no key is stale
     block_ids: torch.Tensor  # Long[R, num_tiles * blocks_per_tile]
+    # a packed verify pass (AttentionMetadata.verify_window): the group's [R, n] queries are gathered from
+    # these tokens (Long[R * n]; a padding query repeats a token of its row, its output dropped) and the
+    # outputs of `scatter[0]` (Long[K], indices into R * n) go to the tokens `scatter[1]` (Long[K])
+    gather: torch.Tensor | None = None
+    scatter: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,16 @@ class TorchAttention:
             if meta.canonical_rows is not None:
                 decode = _with_canonical_rows(decode, meta.canonical_rows, meta, starts, seq_lens, bpt, block_size)
             return AttentionPlan(slots, (), decode, bpt)
-        if meta.kind is PassKind.VERIFY:
+        if meta.kind is PassKind.VERIFY and meta.verify_window:
+            gv = len(counts) - meta.carried_rows
+            w = meta.verify_window
+            if gv < 1 or any(not 0 <= n <= w for n in counts[:gv]) or any(n != 1 for n in counts[gv:]):
+                raise ValueError(f"packed VERIFY rows must hold 0 .. {w} tokens (then {meta.carried_rows} carried "
+                                 f"one-token rows), got counts {counts}")
+            groups = (_packed_group(meta, gv, w, starts, counts, seq_lens, bpt, block_size),)
+            if meta.carried_rows:
+                groups += (_tile_group(meta, range(gv, len(counts)), starts, counts, seq_lens, bpt, block_size),)
+        elif meta.kind is PassKind.VERIFY:
             gv = len(counts) - meta.carried_rows  # the G verify rows; carried one-token decode rows after them
             if gv < 1 or len(set(counts[:gv])) != 1 or any(n != 1 for n in counts[gv:]):
                 raise ValueError(f"VERIFY rows must all hold W tokens (then {meta.carried_rows} carried one-token "
@@ -130,6 +144,12 @@ class TorchAttention:
         out = torch.empty_like(q)
         for g in plan.tiled:
             n_tok = g.num_rows * g.queries_per_row
+            if g.gather is not None and g.scatter is not None:
+                qg = q.index_select(0, g.gather).view(g.num_rows, g.queries_per_row, *q.shape[1:])
+                og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile, k_cache,
+                                     v_cache, scale).reshape(n_tok, *q.shape[1:])
+                out.index_copy_(0, g.scatter[1], og.index_select(0, g.scatter[0]).to(q.dtype))
+                continue
             qg = q[g.token_start : g.token_start + n_tok].view(g.num_rows, g.queries_per_row, *q.shape[1:])
             og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile, k_cache, v_cache,
                                  scale)
@@ -238,6 +258,29 @@ def _tile_group(
         for t in range(num_tiles)
     )
     return TileGroup(starts[rows[0]], len(rows), n, q_pos, masks, stale, block_ids)
+
+
+def _packed_group(meta: AttentionMetadata, rows: int, w: int, starts: list[int], counts: list[int],
+                  seq_lens: list[int], bpt: int, block_size: int) -> TileGroup:
+    """The first `rows` rows of a packed verify pass (0 .. w tokens each) as the padded pass computes them:
+    every row w queries, at positions start .. start + w - 1 (start = its first token's position; 0 for a
+    row without tokens), its keys up to start + w. The real queries get the padded pass's bits (its masks,
+    stale keys and matmul shapes); the padding queries' outputs are dropped."""
+    index = range(rows)
+    padded_lens = [seq_lens[r] - counts[r] + w for r in index]
+    group = _tile_group(meta, index, starts, [w] * rows, padded_lens, bpt, block_size)
+    device = meta.slot_mapping.device
+    gather, src, dst = [], [], []
+    for r in index:
+        c, first = counts[r], starts[r]
+        gather += [first + min(i, c - 1) for i in range(w)] if c else [0] * w
+        src += range(r * w, r * w + c)
+        dst += range(first, first + c)
+
+    def as_long(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.long, device=device)
+
+    return replace(group, gather=as_long(gather), scatter=(as_long(src), as_long(dst)))
 
 
 def _decode_batch(meta: AttentionMetadata, seq_lens: list[int], block_size: int) -> DecodeBatch:

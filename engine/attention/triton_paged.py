@@ -444,6 +444,11 @@ class TritonPagedAttention:
         one_per_row = decode_shape and not whole
         if decode_shape:
             max_q = 1
+        elif meta.kind is PassKind.VERIFY and meta.verify_window:
+            # packed: rows of 0 .. W tokens; a query's tiles are absolute, so its bits are the padded pass's
+            if not 0 <= meta.carried_rows < num_rows:
+                raise ValueError(f"VERIFY: {meta.carried_rows} carried rows of {num_rows}")
+            max_q = meta.verify_window
         elif meta.kind is PassKind.VERIFY:
             d = meta.carried_rows
             if not 0 <= d < num_rows or (num_tokens - d) % (num_rows - d):

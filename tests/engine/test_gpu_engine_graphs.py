@@ -182,8 +182,8 @@ def test_the_verify_graph_serves_rows_past_the_first_decode_family(smol: Any, mo
     widest = {"rows_past_32": 0, "eager": 0}
     stage = runner.verify_graph.stage
 
-    def counting(ids: Any, positions: Any, slots: Any, seq_lens: Any, tables: Any) -> bool:
-        ok = stage(ids, positions, slots, seq_lens, tables)
+    def counting(ids: Any, positions: Any, slots: Any, seq_lens: Any, tables: Any, qsl: Any = None) -> bool:
+        ok = stage(ids, positions, slots, seq_lens, tables, qsl)
         widest["rows_past_32"] += ok and max(int(n) for n in seq_lens) > 32
         widest["eager"] += not ok
         return ok

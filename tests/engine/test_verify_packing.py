@@ -1,0 +1,136 @@
+"""Packed verify passes (`EngineConfig.verify_packing = "packed"`).
+
+A padded pass gives every window W token slots, so the last window of each request (cut by a stop or
+max_tokens) leaves slots empty. A packed pass lays its windows back to back and takes as many as fit in
+its G*W tokens (at most verify_max_windows), dummy rows filling the rest. The pass keeps its token count,
+so every GEMM keeps its shape, and each query keeps its attention tiles: the committed bits must equal the
+padded engine's, bit for bit, under load, rollbacks, carried rows, overlap, preemption and replay, while
+the pass count drops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.fingerprint import runtime_fingerprint
+from engine.sampling import SamplingParams
+from engine.scheduler import StepKind
+from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
+                                    replay_requests, staggered)
+
+VOCAB = 64
+W, G = 8, 4
+
+
+@pytest.fixture
+def workload() -> tuple[list[list[int]], list[SamplingParams]]:
+    # short outputs of every length mod W: most requests end in a partial window
+    return det_workload(24, VOCAB, max_tokens=(3, 30), seed=21)
+
+
+def _verify_plans(llm: Any) -> list[list[int]]:
+    """Record each verify plan's window lengths."""
+    seen: list[list[int]] = []
+    sched = llm.core.scheduler
+    original = sched.schedule
+
+    def schedule() -> Any:
+        plan = original()
+        if plan.kind == StepKind.VERIFY:
+            seen.append([len(r.tokens) for r in plan.verify])
+        return plan
+
+    sched.schedule = schedule  # type: ignore[method-assign]
+    return seen
+
+
+def test_config_defaults_and_limits() -> None:
+    padded = EngineConfig(device="cpu")
+    assert padded.verify_packing == "padded" and padded.verify_max_windows == padded.group
+    packed = EngineConfig(device="cpu", verify_packing="packed", group=4)
+    assert packed.verify_max_windows == 8
+    assert EngineConfig(device="cpu", verify_packing="packed", group=4, verify_max_windows=12).verify_max_windows == 12
+    with pytest.raises(ValueError, match=r"EngineConfig\.verify_packing: one of padded/packed, got 'tight'"):
+        EngineConfig(device="cpu", verify_packing="tight")
+    with pytest.raises(ValueError, match=r"EngineConfig\.verify_max_windows: must be an int >= G = 4, got 3"):
+        EngineConfig(device="cpu", verify_packing="packed", group=4, verify_max_windows=3)
+    with pytest.raises(ValueError, match=r"EngineConfig\.verify_max_windows: a padded verify pass holds exactly G"):
+        EngineConfig(device="cpu", group=4, verify_max_windows=8)
+
+
+def test_packing_is_not_part_of_the_runtime_identity() -> None:
+    """It never changes a committed bit, so a transcript made either way replays under the other."""
+    assert runtime_fingerprint(EngineConfig(device="cpu")) == runtime_fingerprint(
+        EngineConfig(device="cpu", verify_packing="packed"))
+
+
+@pytest.mark.parametrize("d", [0, 3])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_packed_equals_padded_bit_for_bit(make_mock_llm: Any, workload: Any, d: int, overlap: bool) -> None:
+    prompts, params = workload
+    padded = make_mock_llm(verify_decode_rows=d, overlap=overlap)
+    ref = padded.generate(prompts, params)
+    packed = make_mock_llm(verify_decode_rows=d, overlap=overlap, verify_packing="packed")
+    plans = _verify_plans(packed)
+    out = packed.generate(prompts, params)
+    assert_same(out, ref)
+    for o in out:
+        assert_windows_cover(o, W)
+    assert all(sum(p) <= G * W and len(p) <= 2 * G for p in plans)
+    assert any(len(p) > G for p in plans), plans  # a pass took more windows than a padded one holds
+
+
+def test_packing_takes_fewer_passes(make_mock_llm: Any) -> None:
+    """No rollback (the fast path equals the verifier): padded passes of G full windows are full either way,
+    the partial last windows of requests share packed passes."""
+    prompts, params = det_workload(32, VOCAB, max_tokens=(3, 30), seed=21)
+    padded = make_mock_llm(decode_noise=0.0, max_num_seqs=32, num_kv_blocks=128)
+    packed = make_mock_llm(decode_noise=0.0, max_num_seqs=32, num_kv_blocks=128, verify_packing="packed")
+    assert_same(packed.generate(prompts, params), padded.generate(prompts, params))
+    assert packed.core.stats().verify_passes < padded.core.stats().verify_passes
+
+
+def test_packed_under_load_faults_and_preemption(make_mock_llm: Any, workload: Any) -> None:
+    prompts, params = workload
+    ref = make_mock_llm().generate(prompts, params)
+    alone = one_at_a_time(make_mock_llm(verify_packing="packed"), prompts, params)
+    assert_same(alone, ref)
+    faulty = make_mock_llm(verify_packing="packed", verify_decode_rows=2, fault_rate=0.3, fault_seed=5,
+                           overlap=True)
+    assert_same(staggered(faulty, prompts, params, every=3, seed=2), ref)
+    assert faulty.core.stats().rollbacks > 0
+    tight = make_mock_llm(verify_packing="packed", num_kv_blocks=20)  # KV pressure: preemptions and rebuilds
+    assert_same(tight.generate(prompts, params), ref)
+    assert tight.core.stats().preemptions > 0
+    wide = make_mock_llm(verify_packing="packed", verify_max_windows=16)
+    assert_same(wide.generate(prompts, params), ref)
+
+
+def test_transcripts_replay_across_packings(make_mock_llm: Any, workload: Any) -> None:
+    prompts, params = workload
+    for make_with, replay_with in (("packed", "padded"), ("padded", "packed")):
+        made = staggered(make_mock_llm(verify_packing=make_with, overlap=True), prompts, params, seed=9)
+        results = make_mock_llm(verify_packing=replay_with).replay(replay_requests(prompts, params, made))
+        for o, r in zip(made, results):
+            assert r.first_mismatch is None
+            assert r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
+
+
+def test_real_model_packed_equals_padded(make_real_llm: Any, smollm2_source: Any) -> None:
+    """SmolLM2 on the CPU (float32, torch backend, which computes a packed pass's rows as the padded pass
+    does): the same bits packed and padded, with carried rows and among non-deterministic traffic."""
+    tok = smollm2_source.tokenizer
+    texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Roses are red,",
+             "2 + 2 =", "The quick brown fox"]
+    prompts = [list(tok.encode(t)) for t in texts]
+    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.9 if i % 2 else 0.0, seed=300 + i,
+                             deterministic=True, ignore_eos=True) for i in range(len(texts))]
+    cfg = dict(window=8, group=2, verify_decode_rows=2, max_num_seqs=8)
+    ref = make_real_llm(**cfg).generate(prompts, params)
+    llm = make_real_llm(verify_packing="packed", **cfg)
+    plans = _verify_plans(llm)
+    out = staggered(llm, prompts, params, every=2, seed=4)
+    assert_same(out, ref)
+    assert any(len(p) > 2 for p in plans), plans
