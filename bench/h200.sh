@@ -15,7 +15,8 @@
 # the 1k set at main's defaults, every mode), dvrtests (gpu tests of DVR bits: test_gpu_dvr, _verify_carry, _overlap),
 # levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set),
 # levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes),
-# levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes).
+# levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes),
+# levers16 (packed passes at other W / G / D and with 2048-token canonical passes).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -134,6 +135,18 @@ stage_levers15() {  # the sixteenth session's A/B, one machine (at most 2 x 175 
       --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --modes nondeterministic,dvr_10pct,dvr_100pct \
       --verify-early-decode on --verify-packing $pk --deadline-s 165 --out "$OUT" \
       --name gpu-bench-verify-$pk 2>&1 | grep -v Warn | tail -8
+  done
+}
+
+stage_levers16() {  # the sixteenth session's second A/B, one machine (at most 5 x 110 s): packed verify passes at
+  # G = 8 (main's), G = 16 with D = 64 / 128, W = 16 with G = 16, and G = 8 with 2048-token canonical passes
+  for cfg in "32 8 64 8192" "32 16 64 8192" "32 16 128 8192" "16 16 64 8192" "32 8 64 2048"; do
+    set -- $cfg
+    timeout 110 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
+      --verify-early-decode on --verify-packing packed --window $1 --group $2 --verify-decode-rows $3 \
+      --canonical-prefill-min-tokens $4 --deadline-s 100 --out "$OUT" \
+      --name gpu-bench-packed-w$1-g$2-d$3-p$4 2>&1 | grep -v Warn | tail -4
   done
 }
 
