@@ -16,7 +16,7 @@
 # levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set),
 # levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes),
 # levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes),
-# levers16 (packed passes at other W / G / D and with 2048-token canonical passes).
+# levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -147,6 +147,17 @@ stage_levers16() {  # the sixteenth session's second A/B, one machine (at most 5
       --verify-early-decode on --verify-packing packed --window $1 --group $2 --verify-decode-rows $3 \
       --canonical-prefill-min-tokens $4 --deadline-s 100 --out "$OUT" \
       --name gpu-bench-packed-w$1-g$2-d$3-p$4 2>&1 | grep -v Warn | tail -4
+  done
+}
+
+stage_levers17() {  # the sixteenth session's third A/B, one machine (at most 3 x 110 s): packed passes with
+  # 2048-token canonical passes carrying D = 64 / 96 / 128 decode rows
+  for d in 64 96 128; do
+    timeout 110 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
+      --verify-early-decode on --verify-packing packed --verify-decode-rows $d \
+      --canonical-prefill-min-tokens 2048 --deadline-s 100 --out "$OUT" \
+      --name gpu-bench-packed-p2048-d$d 2>&1 | grep -v Warn | tail -4
   done
 }
 
