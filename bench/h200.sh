@@ -16,7 +16,8 @@
 # levers13 (the thirteenth session's open A/Bs: speculative early decode on/off, 2048-token canonical passes on the 1k set),
 # levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes),
 # levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes),
-# levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128).
+# levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128),
+# final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -159,6 +160,16 @@ stage_levers17() {  # the sixteenth session's third A/B, one machine (at most 3 
       --canonical-prefill-min-tokens 2048 --deadline-s 100 --out "$OUT" \
       --name gpu-bench-packed-p2048-d$d 2>&1 | grep -v Warn | tail -4
   done
+}
+
+stage_final16() {  # the sixteenth session's figures at main's new CUDA defaults (packed verify passes, 2048-token
+  # canonical passes, early decode): the mixes and the 1k set in every mode, then the 4k set (at most 290 + 170 s)
+  timeout 290 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --deadline-s 280 --out "$OUT" \
+    --name gpu-bench-modes-mixes 2>&1 | grep -v Warn | tail -20
+  timeout 170 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets 16x4096x1024 --modes nondeterministic,dvr_10pct,dvr_100pct --deadline-s 160 \
+    --out "$OUT" --name gpu-bench-modes-4k 2>&1 | grep -v Warn | tail -6
 }
 
 stage_packtests() {  # the packed verify pass's gpu tests, and the dvr / carry / graphs tests it touches

@@ -1570,7 +1570,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "bits); default: the engine's")
     p.add_argument("--verify-early-decode", choices=["on", "off"], default=None,
                    help="EngineConfig.verify_early_decode for every engine of the run (a verify pass launches the "
-                        "next decode step before reading its samples); default: the engine's (off)")
+                        "next decode step before reading its samples); default: the engine's (on for CUDA)")
     p.add_argument("--chained-verify", choices=["on", "off"], default=None,
                    help="EngineConfig.chained_verify for every engine of the run (a verify pass due while a decode "
                         "step is in flight is launched behind it); default: the engine's")
@@ -1698,9 +1698,9 @@ def main(argv: list[str] | None = None) -> int:
                       "attention_kernel": triton_paged.KERNEL_ID,
                       "canonical_prefill_min_tokens": args.canonical_prefill_min_tokens,  # None: the engine's
                       "modes": args.modes or "all", "window": args.window,
-                      "verify_early_decode": args.verify_early_decode or "engine default (off)",
+                      "verify_early_decode": args.verify_early_decode or "engine default (on)",
                       "chained_verify": args.chained_verify or "engine default",
-                      "verify_packing": args.verify_packing or "engine default (padded)",
+                      "verify_packing": args.verify_packing or "engine default (packed)",
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
                       "packed_canonical_decode_8b": packed_matches_8b()}

@@ -24,6 +24,9 @@ def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: boo
 # decode rows a dvr verify pass carries by default on the triton backend (CUDA): a batch-64 decode step beside
 # the G x W verify tokens (README, eleventh session)
 DEFAULT_VERIFY_DECODE_ROWS = 64
+# the smallest canonical prefill pass on CUDA (at most max_num_batched_tokens): short deterministic prompts pack
+# into 2048-token passes instead of padding the last pass of a budget-sized pair (README, sixteenth session)
+DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 
 
 class Mode(str, enum.Enum):
@@ -58,10 +61,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
     canonical_prefill_min_tokens: int | None = None  # DVR / replay prompts are prefilled in passes of exactly
                                         # max(this, next pow2 >= prompt) tokens (packed, dummy-padded), at most
-                                        # max_num_batched_tokens; None: max_num_batched_tokens on CUDA, 64 on the
-                                        # CPU. Part of the runtime identity. (2048 on CUDA was measured against
-                                        # the budget: dvr 100 % on the mixes +2.5 / +0.5 points, dvr 50 % on the
-                                        # short mix -2.3; README, thirteenth session: not the default.)
+                                        # max_num_batched_tokens; None: DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS
+                                        # (2048, at most the budget) on CUDA, 64 on the CPU. Part of the runtime
+                                        # identity. 2048 against the 8192 budget on the H200 (packed verify
+                                        # passes, one machine): dvr 100 % 0.842 / 0.841 against 0.812 / 0.838 on
+                                        # the short / matched mix; it costs dvr 50 % and the 1k set about one
+                                        # point (README, sixteenth session; the budget was the default before).
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
@@ -101,15 +106,12 @@ class EngineConfig:
                                         # carried. None: DEFAULT_VERIFY_DECODE_ROWS in mode dvr on the triton
                                         # backend, else 0 (off); always 0 outside mode dvr. Never changes a
                                         # committed bit for a given D.
-    verify_early_decode: bool = False   # with overlap: a verify pass launches its samples and the next decode step
+    verify_early_decode: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass launches its samples and the next decode step
                                         # before reading them, so the GPU does not idle while the host applies
                                         # them. The pass's rows with run-ahead candidates past their windows decode
                                         # on speculatively (a rollback voids that token); the others sit the step
-                                        # out. Off: the first version (every pass row sat out) gained nothing on
-                                        # the H200 (dvr 100 % 0.816 / 0.823 / 0.898 on the short mix, matched mix
-                                        # and 1k set against 0.825 / 0.825 / 0.904 without it, two machines;
-                                        # README, thirteenth session); this one is not GPU-measured. Never changes
-                                        # a committed bit.
+                                        # out. On the H200 dvr 100 % rose 2.2 / 0.4 points on the short / matched
+                                        # mix (README, fourteenth session). Never changes a committed bit.
     chained_verify: bool = False        # with overlap: a verify pass that is due while a decode step is in flight
                                         # is planned from the known candidates and launched behind that step (the
                                         # rows it carries take their input ids from that step's tokens on the
@@ -119,14 +121,16 @@ class EngineConfig:
                                         # where the known windows are fewer than the sync plan's, or KV is short,
                                         # the pass is planned after the read as before. Never changes a committed
                                         # bit.
-    verify_packing: str = "padded"      # "padded": every window of a verify pass takes W token slots (a window
+    verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a verify pass takes W token slots (a window
                                         # that ends at a stop or max_tokens is padded with dummies); "packed":
                                         # windows sit back to back, so a pass takes as many as fit in its G*W
                                         # tokens (at most verify_max_windows) and dummy rows fill the rest. The
                                         # pass keeps its token count (every GEMM its shape) and each query its
                                         # absolutely aligned attention tiles, so a window's bits do not depend
                                         # on where it sits: never changes a committed bit (tests compare the
-                                        # two bit for bit; not part of the runtime identity).
+                                        # two bit for bit, on the H200 too; not part of the runtime identity).
+                                        # H200: 27 -> 23 passes on the short mix, dvr 100 % +0.4 / +0.7 points on
+                                        # the short / matched mix (README, sixteenth session).
     verify_max_windows: int | None = None  # packed: windows per verify pass (None: 2G); padded: always G
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
@@ -167,14 +171,17 @@ class EngineConfig:
         if self.canonical_prefill_min_tokens is None:
             # CUDA: the prefill token budget, so a canonical pass holds as much as a plain prefill pass (fast
             # prompts fill it under load); a lone deterministic prompt pays for the whole pass. CPU: small.
-            object.__setattr__(self, "canonical_prefill_min_tokens", self.max_num_batched_tokens if on_cuda else 64)
+            minimum = min(DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, self.max_num_batched_tokens) if on_cuda else 64
+            object.__setattr__(self, "canonical_prefill_min_tokens", minimum)
         _check(self.canonical_prefill_min_tokens >= 1, "canonical_prefill_min_tokens",
                f"must be >= 1, got {self.canonical_prefill_min_tokens}")
         if self.overlap is None:
             object.__setattr__(self, "overlap", on_cuda)
         _check(isinstance(self.overlap, bool), "overlap", f"must be a bool or None, got {self.overlap!r}")
+        if self.verify_early_decode is None:
+            object.__setattr__(self, "verify_early_decode", on_cuda)
         _check(isinstance(self.verify_early_decode, bool), "verify_early_decode",
-               f"must be a bool, got {self.verify_early_decode!r}")
+               f"must be a bool or None, got {self.verify_early_decode!r}")
         _check(isinstance(self.chained_verify, bool), "chained_verify", f"must be a bool, got {self.chained_verify!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical_step_short" if on_cuda else "split")
@@ -202,6 +209,8 @@ class EngineConfig:
         _check(self.verify_decode_rows == 0 or self.attention_backend in ("torch", "triton"), "verify_decode_rows",
                f"the {self.attention_backend!r} attention backend cannot carry decode rows in a verify pass; "
                "use triton or torch, or set it to 0")
+        if self.verify_packing is None:
+            object.__setattr__(self, "verify_packing", "packed" if on_cuda else "padded")
         _check(self.verify_packing in ("padded", "packed"), "verify_packing",
                f"one of padded/packed, got {self.verify_packing!r}")
         if self.verify_max_windows is None:

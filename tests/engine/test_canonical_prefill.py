@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
+from engine.config import DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
 from engine.model_runner import DUMMY_PREFILL_ROW, DUMMY_TOKEN, ModelRunner, ModelShape, Row
 from engine.sampling import SamplingParams
 from engine.scheduler import CANONICAL_PREFILL_ROWS, Scheduler, StepKind, canonical_prefill_tokens
@@ -27,11 +27,14 @@ def test_pass_size_is_a_function_of_the_prompt_and_config() -> None:
     assert EngineConfig(device="cpu").canonical_prefill_min_tokens == 64
 
 
-def test_cuda_default_pass_is_the_prefill_budget() -> None:
-    """CUDA's default smallest canonical pass is the prefill budget (a config only: building it needs no
-    GPU); a smaller minimum is a setting, and the pass sizes follow it."""
-    assert EngineConfig(device="cuda").canonical_prefill_min_tokens == 4096
-    assert EngineConfig(device="cuda", max_num_batched_tokens=8192).canonical_prefill_min_tokens == 8192
+def test_cuda_default_pass_is_2048_tokens_at_most_the_budget() -> None:
+    """CUDA's default smallest canonical pass is 2048 tokens, at most the prefill budget (a config only:
+    building it needs no GPU); another minimum is a setting, and the pass sizes follow it."""
+    assert EngineConfig(device="cuda").canonical_prefill_min_tokens == DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS == 2048
+    assert EngineConfig(device="cuda", max_num_batched_tokens=8192).canonical_prefill_min_tokens == 2048
+    assert EngineConfig(device="cuda", max_num_batched_tokens=1024).canonical_prefill_min_tokens == 1024
+    assert EngineConfig(device="cuda", max_num_batched_tokens=8192,
+                        canonical_prefill_min_tokens=8192).canonical_prefill_min_tokens == 8192
     cfg = EngineConfig(device="cuda", max_num_batched_tokens=8192, canonical_prefill_min_tokens=2048)
     assert [canonical_prefill_tokens(cfg, n) for n in (1, 2048, 2049, 4097, 8192)] == [2048, 2048, 4096, 8192, 8192]
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
 from tests.engine.dvr_cases import assert_same, assert_windows_cover, det_workload, staggered
@@ -282,11 +283,12 @@ def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_moc
 
 
 def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
-    """verify_early_decode off (the default), overlap off (the CPU default), or a pass holding a top-k /
+    """verify_early_decode off (the CPU default; on for CUDA), overlap off (the CPU default), or a pass holding a top-k /
     top-p row (host sampler): the verify samples are read first; the outputs are the same either way."""
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
     assert default.config.verify_early_decode is False
+    assert EngineConfig(device="cuda").verify_early_decode is True and EngineConfig(device="cuda").overlap
     by_default = default.generate(prompts, _plain(params))
     assert default.core.stats().early_decode_steps == 0 and default.core.stats().verify_passes > 0
     off = make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4)

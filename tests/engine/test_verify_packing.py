@@ -47,8 +47,11 @@ def _verify_plans(llm: Any) -> list[list[int]]:
 
 
 def test_config_defaults_and_limits() -> None:
-    padded = EngineConfig(device="cpu")
+    padded = EngineConfig(device="cpu")  # the CPU default
     assert padded.verify_packing == "padded" and padded.verify_max_windows == padded.group
+    cuda = EngineConfig(device="cuda")  # the CUDA default (a config only: building it needs no GPU)
+    assert cuda.verify_packing == "packed" and cuda.verify_max_windows == 2 * cuda.group
+    assert EngineConfig(device="cuda", verify_packing="padded").verify_max_windows == cuda.group
     packed = EngineConfig(device="cpu", verify_packing="packed", group=4)
     assert packed.verify_max_windows == 8
     assert EngineConfig(device="cpu", verify_packing="packed", group=4, verify_max_windows=12).verify_max_windows == 12
