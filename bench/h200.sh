@@ -17,7 +17,8 @@
 # levers14 (chained verify passes off/on with the early decode on; both with 2048-token canonical passes),
 # levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes),
 # levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128),
-# final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults).
+# final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults),
+# levers18 (packed passes due at G*W tokens against G windows; not yet run).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -170,6 +171,15 @@ stage_final16() {  # the sixteenth session's figures at main's new CUDA defaults
   timeout 170 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
     --synthetic-sets 16x4096x1024 --modes nondeterministic,dvr_10pct,dvr_100pct --deadline-s 160 \
     --out "$OUT" --name gpu-bench-modes-4k 2>&1 | grep -v Warn | tail -6
+}
+
+stage_levers18() {  # for the next session, one machine (at most 2 x 130 s): packed passes due at G*W tokens of
+  # windows (main's default) against due at G windows (verify_trigger="windows", built in the sixteenth session)
+  for t in tokens windows; do
+    timeout 130 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_50pct,dvr_100pct \
+      --verify-trigger $t --deadline-s 120 --out "$OUT" --name gpu-bench-trigger-$t 2>&1 | grep -v Warn | tail -6
+  done
 }
 
 stage_packtests() {  # the packed verify pass's gpu tests, and the dvr / carry / graphs tests it touches

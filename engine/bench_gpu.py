@@ -624,6 +624,8 @@ def _engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
         kw.setdefault("chained_verify", ctx.args.chained_verify == "on")
     if ctx.args.verify_packing is not None and kw.get("mode", "dvr") == "dvr":
         kw.setdefault("verify_packing", ctx.args.verify_packing)
+    if ctx.args.verify_trigger is not None and kw.get("mode", "dvr") == "dvr":
+        kw.setdefault("verify_trigger", ctx.args.verify_trigger)
     return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
 
 
@@ -1577,6 +1579,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--verify-packing", choices=["padded", "packed"], default=None,
                    help="EngineConfig.verify_packing for every dvr engine of the run (packed: a verify pass lays "
                         "its windows back to back and takes as many as fit in G*W tokens); default: the engine's")
+    p.add_argument("--verify-trigger", choices=["tokens", "windows"], default=None,
+                   help="EngineConfig.verify_trigger for every dvr engine of the run (packed passes: due at G*W "
+                        "tokens of windows, or at G windows); default: the engine's")
     p.add_argument("--modes", type=_csv, default=[],
                    help="compare_modes sections: run only these modes (nondeterministic, dvr_2pct, dvr_10pct, "
                         "dvr_50pct, dvr_100pct, batch_invariant); default: all")
@@ -1701,6 +1706,7 @@ def main(argv: list[str] | None = None) -> int:
                       "verify_early_decode": args.verify_early_decode or "engine default (on)",
                       "chained_verify": args.chained_verify or "engine default",
                       "verify_packing": args.verify_packing or "engine default (packed)",
+                      "verify_trigger": args.verify_trigger or "engine default (tokens when packed)",
                       # whether the GQA-packed canonical decode kernel gives the prefill kernel's bits at the
                       # 8B heads here (else canonical rows fall back to the prefill kernel, one head a program)
                       "packed_canonical_decode_8b": packed_matches_8b()}

@@ -132,6 +132,14 @@ class EngineConfig:
                                         # H200: 27 -> 23 passes on the short mix, dvr 100 % +0.4 / +0.7 points on
                                         # the short / matched mix (README, sixteenth session).
     verify_max_windows: int | None = None  # packed: windows per verify pass (None: 2G); padded: always G
+    verify_trigger: str | None = None   # when a verify pass is due because enough windows are ready: "tokens" =
+                                        # G*W tokens of windows or verify_max_windows windows (a full packed pass);
+                                        # "windows" = G windows (the padded rule; a packed pass then still takes
+                                        # every ready window that fits). None: "tokens" when packed, "windows"
+                                        # when padded (where the two are the same rule). The H200 figures of
+                                        # packed passes are at "tokens", which ran 9 more decode steps on the
+                                        # short mix than padded; "windows" is not GPU-measured (README,
+                                        # sixteenth session). Never changes a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -218,6 +226,10 @@ class EngineConfig:
                                else self.group)
         _check(isinstance(self.verify_max_windows, int) and self.verify_max_windows >= self.group,
                "verify_max_windows", f"must be an int >= G = {self.group}, got {self.verify_max_windows!r}")
+        if self.verify_trigger is None:
+            object.__setattr__(self, "verify_trigger", "tokens" if self.verify_packing == "packed" else "windows")
+        _check(self.verify_trigger in ("tokens", "windows"), "verify_trigger",
+               f"one of tokens/windows, got {self.verify_trigger!r}")
         _check(self.verify_packing == "packed" or self.verify_max_windows == self.group, "verify_max_windows",
                f"a padded verify pass holds exactly G = {self.group} windows, got {self.verify_max_windows}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",

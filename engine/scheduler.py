@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -187,7 +188,9 @@ class Scheduler:
 
     def _verify_due(self, rows: list[Sequence], decodable: list[Sequence], step: int, known_only: bool = False
                     ) -> bool:
-        """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): >= G windows ready,
+        """The verify trigger at step `step` (`_plan_verify` and `chained_decode`): a full pass ready (G windows
+        padded; packed: G*W tokens of windows or verify_max_windows windows, or G windows with
+        verify_trigger="windows"),
         nothing to decode, a ready row that cannot decode (stop candidate, run-ahead cap, teacher windows)
         waited W steps, or any ready row waited W + dvr_lookahead steps. A row that keeps running ahead
         while it waits gathers more windows, which a later pass takes together (fewer, fuller passes);
@@ -203,6 +206,8 @@ class Scheduler:
             return True
         config = self.config
         w, cap, budget = config.window, config.verify_max_windows, config.group * config.window
+        if config.verify_trigger == "windows":  # >= G windows, whatever their length (a padded pass's rule)
+            cap, budget = config.group, math.inf
         windows = tokens = 0
         moving = set(decodable)
         for s in rows:

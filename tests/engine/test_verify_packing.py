@@ -9,6 +9,7 @@ the pass count drops.
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -137,3 +138,42 @@ def test_real_model_packed_equals_padded(make_real_llm: Any, smollm2_source: Any
     out = staggered(llm, prompts, params, every=2, seed=4)
     assert_same(out, ref)
     assert any(len(p) > 2 for p in plans), plans
+
+
+def test_packed_trigger_counts_tokens_or_windows() -> None:
+    """Packed, verify_trigger="tokens" (the default): a pass is due at G*W tokens of ready windows or
+    verify_max_windows windows, so G short windows do not trigger it; "windows": G windows of any length
+    do (the padded rule), and the pass still packs every ready window that fits."""
+    from engine.scheduler import Scheduler
+    from tests.engine.test_multi_window import _seq
+
+    stop = 5
+    other = _seq([], committed=1)  # something else still decoding
+    short = [_seq([*range(30 + i, 33 + i), stop], stop=[stop]) for i in range(G)]  # G windows of 5 tokens
+    for s in short:
+        s.params = replace(s.params, ignore_eos=False)
+    step = 100
+    for s in short:
+        s.ready_since = step
+    by_tokens = Scheduler(EngineConfig(device="cpu", window=W, group=G, verify_packing="packed", num_kv_blocks=64),
+                          {1})
+    assert by_tokens.config.verify_trigger == "tokens"
+    assert not by_tokens._verify_due(short, [other], step)  # 4 windows, 20 tokens < G*W = 32
+    full = [_seq(list(range(40 + 10 * i, 40 + 10 * i + W - 1))) for i in range(3)]  # 3 full windows (24 tokens)
+    for s in full:
+        s.ready_since = step
+    assert by_tokens._verify_due(short[:2] + full, [other], step)  # 10 + 24 tokens >= 32
+    by_windows = Scheduler(EngineConfig(device="cpu", window=W, group=G, verify_packing="packed",
+                                        verify_trigger="windows", num_kv_blocks=64), {1})
+    assert by_windows._verify_due(short, [other], step)  # G windows
+    picks, used = by_windows._pick_windows(short + full)
+    assert len(picks) == 5 and used == 4 * 5 + 8, (picks, used)  # the 4 short ones and one full one fit in 32
+    with pytest.raises(ValueError, match=r"EngineConfig\.verify_trigger: one of tokens/windows, got 'rows'"):
+        EngineConfig(device="cpu", verify_trigger="rows")
+
+
+def test_window_trigger_changes_no_committed_bit(make_mock_llm: Any, workload: Any) -> None:
+    prompts, params = workload
+    ref = make_mock_llm(verify_decode_rows=3, overlap=True).generate(prompts, params)
+    llm = make_mock_llm(verify_decode_rows=3, overlap=True, verify_packing="packed", verify_trigger="windows")
+    assert_same(staggered(llm, prompts, params, every=2, seed=6), ref)
