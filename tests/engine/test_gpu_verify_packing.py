@@ -45,7 +45,8 @@ def test_packed_equals_padded_on_cuda(make_real_llm: Any, smollm2_source: Any, g
     prompts, params = _workload(smollm2_source.tokenizer)
     params = [replace(p, max_tokens=5 + 9 * i) for i, p in enumerate(params)]  # partial last windows
     cfg = dict(window=16, group=4, num_kv_blocks=600, cuda_graphs=graphs, max_num_seqs=16)
-    ref = staggered(make_real_llm(**cfg), prompts, params, every=2, seed=3)
+    padded = make_real_llm(verify_packing="padded", **cfg)  # CUDA's default is packed
+    ref = staggered(padded, prompts, params, every=2, seed=3)
     llm = make_real_llm(verify_packing="packed", **cfg)
     runner = llm.core.runner
     print(f"[packing] graphs={graphs} status={runner.graphs_status}")
