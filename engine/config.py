@@ -106,8 +106,8 @@ class EngineConfig:
                                         # carried. None: DEFAULT_VERIFY_DECODE_ROWS in mode dvr on the triton
                                         # backend, else 0 (off); always 0 outside mode dvr. Never changes a
                                         # committed bit for a given D.
-    verify_early_decode: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass launches its samples and the next decode step
-                                        # before reading them, so the GPU does not idle while the host applies
+    verify_early_decode: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass
+                                        # launches its samples and the next decode step before reading them, so the GPU does not idle while the host applies
                                         # them. The pass's rows with run-ahead candidates past their windows decode
                                         # on speculatively (a rollback voids that token); the others sit the step
                                         # out. On the H200 dvr 100 % rose 2.2 / 0.4 points on the short / matched
@@ -121,8 +121,9 @@ class EngineConfig:
                                         # where the known windows are fewer than the sync plan's, or KV is short,
                                         # the pass is planned after the read as before. Never changes a committed
                                         # bit.
-    verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a verify pass takes W token slots (a window
-                                        # that ends at a stop or max_tokens is padded with dummies); "packed":
+    verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of
+                                        # a verify pass takes W token slots (a window that ends at a stop or
+                                        # max_tokens is padded with dummies); "packed":
                                         # windows sit back to back, so a pass takes as many as fit in its G*W
                                         # tokens (at most verify_max_windows) and dummy rows fill the rest. The
                                         # pass keeps its token count (every GEMM its shape) and each query its
