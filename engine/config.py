@@ -107,11 +107,12 @@ class EngineConfig:
                                         # backend, else 0 (off); always 0 outside mode dvr. Never changes a
                                         # committed bit for a given D.
     verify_early_decode: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass
-                                        # launches its samples and the next decode step before reading them, so the GPU does not idle while the host applies
-                                        # them. The pass's rows with run-ahead candidates past their windows decode
-                                        # on speculatively (a rollback voids that token); the others sit the step
-                                        # out. On the H200 dvr 100 % rose 2.2 / 0.4 points on the short / matched
-                                        # mix (README, fourteenth session). Never changes a committed bit.
+                                        # launches its samples and the next decode step before reading them, so the
+                                        # GPU does not idle while the host applies them. The pass's rows with
+                                        # run-ahead candidates past their windows decode on speculatively (a rollback
+                                        # voids that token); the others sit the step out. On the H200 dvr 100 % rose
+                                        # 2.2 / 0.4 points on the short / matched mix (README, fourteenth session).
+                                        # Never changes a committed bit.
     chained_verify: bool = False        # with overlap: a verify pass that is due while a decode step is in flight
                                         # is planned from the known candidates and launched behind that step (the
                                         # rows it carries take their input ids from that step's tokens on the
@@ -121,26 +122,25 @@ class EngineConfig:
                                         # where the known windows are fewer than the sync plan's, or KV is short,
                                         # the pass is planned after the read as before. Never changes a committed
                                         # bit.
-    verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of
-                                        # a verify pass takes W token slots (a window that ends at a stop or
-                                        # max_tokens is padded with dummies); "packed":
-                                        # windows sit back to back, so a pass takes as many as fit in its G*W
-                                        # tokens (at most verify_max_windows) and dummy rows fill the rest. The
-                                        # pass keeps its token count (every GEMM its shape) and each query its
-                                        # absolutely aligned attention tiles, so a window's bits do not depend
-                                        # on where it sits: never changes a committed bit (tests compare the
-                                        # two bit for bit, on the H200 too; not part of the runtime identity).
-                                        # H200: 27 -> 23 passes on the short mix, dvr 100 % +0.4 / +0.7 points on
-                                        # the short / matched mix (README, sixteenth session).
+    verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a
+                                        # verify pass takes W token slots (a window that ends at a stop or max_tokens is
+                                        # padded with dummies); "packed": windows sit back to back, so a pass takes as
+                                        # many as fit in its G*W tokens (at most verify_max_windows) and dummy rows fill
+                                        # the rest. The pass keeps its token count (every GEMM its shape) and each query
+                                        # its absolutely aligned attention tiles, so a window's bits do not depend on
+                                        # where it sits: never changes a committed bit (tests compare the two bit for
+                                        # bit, on the H200 too; not part of the runtime identity). H200: 27 -> 23 passes
+                                        # on the short mix, dvr 100 % +0.4 / +0.7 points on the short / matched mix
+                                        # (README, sixteenth session).
     verify_max_windows: int | None = None  # packed: windows per verify pass (None: 2G); padded: always G
-    verify_trigger: str | None = None   # when a verify pass is due because enough windows are ready: "tokens" =
-                                        # G*W tokens of windows or verify_max_windows windows (a full packed pass);
-                                        # "windows" = G windows (the padded rule; a packed pass then still takes
-                                        # every ready window that fits). None: "tokens" when packed, "windows"
-                                        # when padded (where the two are the same rule). The H200 figures of
-                                        # packed passes are at "tokens", which ran 9 more decode steps on the
-                                        # short mix than padded; "windows" is not GPU-measured (README,
-                                        # sixteenth session). Never changes a committed bit.
+    verify_trigger: str | None = None   # when a verify pass is due because enough windows are ready: "tokens" = G*W
+                                        # tokens of windows or verify_max_windows windows (a full packed pass);
+                                        # "windows" = G windows (the padded rule; a packed pass then still takes every
+                                        # ready window that fits). None: "tokens" when packed, "windows" when padded
+                                        # (where the two are the same rule). The H200 figures of packed passes are at
+                                        # "tokens", whose short-mix run took 95 decode steps against padded's 86
+                                        # (levers15 JSON, step_wall_s); "windows" is not GPU-measured (README, sixteenth
+                                        # session). Never changes a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)

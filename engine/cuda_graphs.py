@@ -51,22 +51,33 @@ class _StaticPass:
         i64  ids | positions | slots                   Int64[3, max_rows * tokens_per_row]
         i32  seq_lens | canonical rows | block tables  Int32[R4 + R4 + max_rows * max_blocks]  (R4: max_rows
              rounded up to 4, so every region starts on a 16-byte boundary)
+             | query starts                            Int32[max_rows + 1], only with `staged_qsl` (rows of
+             varying length, staged with the rest; else `qsl` is fixed: tokens_per_row per row)
     """
 
-    def __init__(self, max_rows: int, tokens_per_row: int, max_blocks: int, device: torch.device) -> None:
+    def __init__(self, max_rows: int, tokens_per_row: int, max_blocks: int, device: torch.device,
+                 staged_qsl: bool = False) -> None:
         n = max_rows * tokens_per_row
         self.max_rows, self.tokens_per_row, self.max_blocks = max_rows, tokens_per_row, max_blocks
         self.r4 = r4 = -(-max_rows // 4) * 4
         cuda = device.type == "cuda"
         self.i64 = torch.zeros(3, n, dtype=torch.long, device=device)
-        self.i32 = torch.zeros(2 * r4 + max_rows * max_blocks, dtype=torch.int32, device=device)
+        tables_end = 2 * r4 + max_rows * max_blocks
+        q_off = -(-tables_end // 4) * 4
+        size = q_off + max_rows + 1 if staged_qsl else tables_end
+        self.i32 = torch.zeros(size, dtype=torch.int32, device=device)
         self.host_i64 = torch.zeros(3, n, dtype=torch.long, pin_memory=cuda)
-        self.host_i32 = torch.zeros(2 * r4 + max_rows * max_blocks, dtype=torch.int32, pin_memory=cuda)
+        self.host_i32 = torch.zeros(size, dtype=torch.int32, pin_memory=cuda)
         self.np64 = self.host_i64.numpy()                                   # [3, n]
         self.np_lens = self.host_i32.numpy()[:max_rows]
         self.np_canonical = self.host_i32.numpy()[r4: r4 + max_rows]
-        self.np_tables = self.host_i32.numpy()[2 * r4:].reshape(max_rows, max_blocks)
-        self.qsl = torch.arange(0, n + 1, tokens_per_row, dtype=torch.int32, device=device)  # Int[max_rows+1]
+        self.np_tables = self.host_i32.numpy()[2 * r4: tables_end].reshape(max_rows, max_blocks)
+        self.np_qsl: np.ndarray | None = None
+        if staged_qsl:  # Int[max_rows+1]: a view of the staged buffer
+            self.np_qsl = self.host_i32.numpy()[q_off:]
+            self.qsl = self.i32[q_off:]
+        else:
+            self.qsl = torch.arange(0, n + 1, tokens_per_row, dtype=torch.int32, device=device)  # Int[max_rows+1]
         # what each host table row holds: a copy of the block list staged there (the rest is staged_pad), or
         # None when unknown
         self.staged: list[list[int] | None] = [None] * max_rows
@@ -82,7 +93,8 @@ class _StaticPass:
         """ids, positions, slots of the first `tokens` tokens, seq_lens and block_tables of the first `rows`
         rows (a pass whose rows are not all tokens_per_row long brings its own query starts)."""
         lens = self.i32[: self.max_rows][:rows]
-        tables = self.i32[2 * self.r4:].view(self.max_rows, self.max_blocks)[:rows]
+        tables = self.i32[2 * self.r4: 2 * self.r4 + self.max_rows * self.max_blocks].view(
+            self.max_rows, self.max_blocks)[:rows]
         return self.i64[0, :tokens], self.i64[1, :tokens], self.i64[2, :tokens], lens, tables
 
     def _stage_tables(self, rows: int, tables: Sequence[Sequence[int]] | np.ndarray, pad_block: int) -> None:
@@ -113,8 +125,10 @@ class _StaticPass:
     def stage(self, rows: int, ids: Sequence[int] | np.ndarray, positions: Sequence[int] | np.ndarray,
               slots: Sequence[int] | np.ndarray, seq_lens: Sequence[int] | np.ndarray,
               tables: Sequence[Sequence[int]] | np.ndarray, pad_slot: int, pad_block: int,
-              canonical: Sequence[int] | np.ndarray | None = None) -> None:
+              canonical: Sequence[int] | np.ndarray | None = None,
+              qsl: Sequence[int] | np.ndarray | None = None) -> None:
         """Fill staging for `rows` padded rows (real rows first), then one H2D copy per dtype.
+        `qsl` (with `staged_qsl` only): the rows' query starts, Int[rows + 1].
 
         `tables`: one block list per real row, or an Int[real rows, NB] array already padded with
         `pad_block`. Padding: token 0 at position 0 writing `pad_slot`, seq_len 1, table of `pad_block`,
@@ -135,6 +149,9 @@ class _StaticPass:
         if canonical is not None:
             self.np_canonical[: len(canonical)] = canonical
         self._stage_tables(rows, tables, pad_block)
+        if qsl is not None:
+            assert self.np_qsl is not None and len(qsl) == rows + 1, "query starts need staged_qsl, one per row + 1"
+            self.np_qsl[: rows + 1] = qsl
         # whole buffers: a copy of a strided slice would allocate a contiguous temporary on the device
         self.i64.copy_(self.host_i64, non_blocking=True)
         self.i32.copy_(self.host_i32, non_blocking=True)
@@ -294,11 +311,12 @@ class VerifyGraph:
         self.packed = max_windows is not None
         verify_rows = max_windows + group if max_windows is not None else group
         self.rows, self.tokens = verify_rows + carried, group * window + carried
-        self.static = _StaticPass(self.rows, window, self.max_blocks, device)
-        starts = [r * window for r in range(group + 1)] + [group * window] * (verify_rows - group)
-        starts += [group * window + i for i in range(1, carried + 1)]
-        self.qsl = torch.tensor(starts, dtype=torch.int32, device=device)  # Int[rows + 1]; staged when packed
-        self.host_qsl = torch.tensor(starts, dtype=torch.int32).pin_memory() if device.type == "cuda" else None
+        self.static = _StaticPass(self.rows, window, self.max_blocks, device, staged_qsl=self.packed)
+        # padded: G rows of W tokens then the carried rows, fixed; packed: staged with every pass (these are the
+        # capture's: G full rows, empty rows, the carried rows)
+        self.starts = [r * window for r in range(group + 1)] + [group * window] * (verify_rows - group)
+        self.starts += [group * window + i for i in range(1, carried + 1)]
+        self.qsl = self.static.qsl if self.packed else torch.tensor(self.starts, dtype=torch.int32, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self.bit_exact: bool | None = None
@@ -319,20 +337,9 @@ class VerifyGraph:
         eagerly)."""
         if len(ids) != self.tokens or len(seq_lens) != self.rows or _widest(tables) > self.max_blocks:
             return False
-        if self.packed:
-            assert qsl is not None and len(qsl) == self.rows + 1, "a packed verify pass stages its query starts"
-            self._stage_qsl(qsl)
-        self.static.stage(self.rows, ids, positions, slots, seq_lens, tables, 0, 0)
+        assert (qsl is not None) == self.packed, "a packed verify pass stages its query starts, a padded one none"
+        self.static.stage(self.rows, ids, positions, slots, seq_lens, tables, 0, 0, qsl=qsl)
         return True
-
-    def _stage_qsl(self, qsl: Sequence[int] | np.ndarray) -> None:
-        if self.host_qsl is None:
-            self.qsl.copy_(torch.as_tensor(np.asarray(qsl, np.int32)))
-            return
-        if self.static.copied is not None:
-            self.static.copied.synchronize()  # the last pass's copy out of the pinned buffer is done
-        self.host_qsl.numpy()[:] = qsl
-        self.qsl.copy_(self.host_qsl, non_blocking=True)  # recorded by static.stage's event after it
 
     def input_ids(self) -> torch.Tensor:
         """The staged input ids Int64[G*W + D] on the device (a chained pass patches its carried rows')."""
@@ -344,7 +351,7 @@ class VerifyGraph:
         empty = self.rows - self.group - self.carried  # packed: rows past the G full ones hold no token
         self.static.stage(self.rows, [0] * n, [0] * n, [scratch_slot] * n,
                           [self.window] * self.group + [0] * empty + [1] * self.carried, [[zero_block]] * self.rows,
-                          scratch_slot, zero_block)
+                          scratch_slot, zero_block, qsl=self.starts if self.packed else None)
 
     @torch.inference_mode()
     def eager(self) -> torch.Tensor:

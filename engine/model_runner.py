@@ -114,7 +114,7 @@ class ModelRunner:
         lay = self._layout(rows, pad_to=None)
         real = len(lay.ids)
         assert real <= pass_tokens, (real, pass_tokens)
-        lay = _pad_prefill(lay, pass_tokens - real, self.config.block_size)
+        lay = _pad_rows(lay, pass_tokens - real, DUMMY_PREFILL_ROW, self.config.block_size)
         input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
         hidden = self.model(input_ids, positions, meta, self.kv)
         last = np.zeros(CANONICAL_PREFILL_ROWS, np.int64)
@@ -168,7 +168,9 @@ class ModelRunner:
         if packed:
             lay = self._layout(rows, pad_to=None)
             assert len(lay.ids) <= g * w, ("packed verify rows past G*W tokens", len(lay.ids))
-            lay = _pad_verify(lay, g * w, w, self.config.verify_max_windows + g, self.config.block_size)
+            # dummy rows of at most W tokens up to G*W, then empty rows up to the graph's fixed row count
+            lay = _pad_rows(lay, g * w - len(lay.ids), w, self.config.block_size,
+                            rows=self.config.verify_max_windows + g)
             starts = lay.query_start_loc[: len(rows)].tolist()
         else:
             lay = self._layout(rows, pad_to=(g, w))
@@ -366,22 +368,25 @@ def _concat_layouts(a: Layout, b: Layout) -> Layout:
                   seq_lens=np.concatenate([a.seq_lens, b.seq_lens]), block_tables=tables)
 
 
-def _pad_verify(lay: Layout, tokens: int, window: int, rows: int, block_size: int) -> Layout:
-    """A packed verify pass: the real rows, then dummy rows of at most `window` tokens up to `tokens`
-    (positions 0.., K/V written to the scratch block, keys read from the zero block, as a padded pass's
-    dummy rows), then empty rows (no token, seq_len 0) up to `rows` rows: a fixed row count for the graph."""
-    count = tokens - len(lay.ids)
-    lens = [window] * (count // window) + ([count % window] if count % window else [])
-    lens += [0] * (rows - len(lay.seq_lens) - len(lens))
-    assert len(lay.seq_lens) + len(lens) == rows, ("verify rows", len(lay.seq_lens), len(lens), rows)
+def _pad_rows(lay: Layout, count: int, row_len: int, block_size: int, rows: int | None = None) -> Layout:
+    """Append `count` dummy tokens as rows of at most `row_len` tokens (positions 0.., K/V written to the
+    scratch block, keys read from the zero block), then empty rows (no token, seq_len 0) up to `rows` rows
+    when given (a fixed row count for a graph); real rows keep their layout."""
+    assert count >= 0, count
+    lens = [row_len] * (count // row_len) + ([count % row_len] if count % row_len else [])
+    if rows is not None:
+        assert len(lay.seq_lens) + len(lens) <= rows, ("rows", len(lay.seq_lens), len(lens), rows)
+        lens += [0] * (rows - len(lay.seq_lens) - len(lens))
+    if not lens:
+        return lay
     lens_np = np.asarray(lens, np.int64)
     real = len(lay.ids)
     index = real + np.arange(count)
     starts = np.zeros(len(lens), np.int64)
     np.cumsum(lens_np[:-1], out=starts[1:])
     pos = np.arange(count) - np.repeat(starts, lens_np)
-    width = max(lay.block_tables.shape[1], -(-window // block_size))
-    tables = np.full((rows, width), ZERO_BLOCK, np.int32)
+    width = max(lay.block_tables.shape[1], -(-row_len // block_size))
+    tables = np.full((lay.block_tables.shape[0] + len(lens), width), ZERO_BLOCK, np.int32)
     tables[: lay.block_tables.shape[0], : lay.block_tables.shape[1]] = lay.block_tables
     qsl = np.concatenate([lay.query_start_loc, (real + np.cumsum(lens_np)).astype(np.int32)])
     return Layout(ids=np.concatenate([lay.ids, np.full(count, DUMMY_TOKEN, np.int64)]),
@@ -392,29 +397,6 @@ def _pad_verify(lay: Layout, tokens: int, window: int, rows: int, block_size: in
 
 
 DUMMY_PREFILL_ROW = 64  # dummy rows of a canonical prefill pass are this short: their attention costs ~nothing
-
-
-def _pad_prefill(lay: Layout, count: int, block_size: int) -> Layout:
-    """Append `count` dummy tokens as rows of <= DUMMY_PREFILL_ROW tokens (positions 0.., K/V written to the
-    scratch block, keys read from the zero block); real rows keep their layout."""
-    if count <= 0:
-        return lay
-    lens = np.full(-(-count // DUMMY_PREFILL_ROW), DUMMY_PREFILL_ROW, np.int64)
-    lens[-1] = count - DUMMY_PREFILL_ROW * (len(lens) - 1)
-    real = len(lay.ids)
-    index = real + np.arange(count)
-    starts = np.zeros(len(lens), np.int64)
-    np.cumsum(lens[:-1], out=starts[1:])
-    pos = np.arange(count) - np.repeat(starts, lens)
-    width = max(lay.block_tables.shape[1], -(-DUMMY_PREFILL_ROW // block_size))
-    tables = np.full((lay.block_tables.shape[0] + len(lens), width), ZERO_BLOCK, np.int32)
-    tables[: lay.block_tables.shape[0], : lay.block_tables.shape[1]] = lay.block_tables
-    qsl = np.concatenate([lay.query_start_loc, (real + np.cumsum(lens)).astype(np.int32)])
-    return Layout(ids=np.concatenate([lay.ids, np.full(count, DUMMY_TOKEN, np.int64)]),
-                  positions=np.concatenate([lay.positions, pos]),
-                  slots=np.concatenate([lay.slots, SCRATCH_BLOCK * block_size + index % block_size]),
-                  query_start_loc=qsl, seq_lens=np.concatenate([lay.seq_lens, lens.astype(np.int32)]),
-                  block_tables=tables)
 
 
 def _int64(values: list[int]) -> np.ndarray:

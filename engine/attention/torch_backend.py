@@ -94,22 +94,19 @@ class TorchAttention:
             if meta.canonical_rows is not None:
                 decode = _with_canonical_rows(decode, meta.canonical_rows, meta, starts, seq_lens, bpt, block_size)
             return AttentionPlan(slots, (), decode, bpt)
-        if meta.kind is PassKind.VERIFY and meta.verify_window:
-            gv = len(counts) - meta.carried_rows
-            w = meta.verify_window
-            if gv < 1 or any(not 0 <= n <= w for n in counts[:gv]) or any(n != 1 for n in counts[gv:]):
-                raise ValueError(f"packed VERIFY rows must hold 0 .. {w} tokens (then {meta.carried_rows} carried "
-                                 f"one-token rows), got counts {counts}")
-            groups = (_packed_group(meta, gv, w, starts, counts, seq_lens, bpt, block_size),)
-            if meta.carried_rows:
-                groups += (_tile_group(meta, range(gv, len(counts)), starts, counts, seq_lens, bpt, block_size),)
-        elif meta.kind is PassKind.VERIFY:
-            gv = len(counts) - meta.carried_rows  # the G verify rows; carried one-token decode rows after them
-            if gv < 1 or len(set(counts[:gv])) != 1 or any(n != 1 for n in counts[gv:]):
-                raise ValueError(f"VERIFY rows must all hold W tokens (then {meta.carried_rows} carried one-token "
+        if meta.kind is PassKind.VERIFY:
+            gv = len(counts) - meta.carried_rows  # the verify rows; carried one-token decode rows after them
+            w = meta.verify_window  # packed: rows of 0 .. W tokens; 0: every verify row holds W tokens
+            rows_ok = all(0 <= n <= w for n in counts[:gv]) if w else len(set(counts[:gv])) == 1
+            if gv < 1 or not rows_ok or any(n != 1 for n in counts[gv:]):
+                held = f"0 .. {w}" if w else "exactly W"
+                raise ValueError(f"VERIFY rows must hold {held} tokens (then {meta.carried_rows} carried one-token "
                                  f"rows), got counts {counts}")
-            # the verify rows form the same tile group whatever is carried; the carried rows a group of their own
-            groups = (_tile_group(meta, range(gv), starts, counts, seq_lens, bpt, block_size),)
+            # the verify rows form the same tile group whatever is carried (packed: as the padded pass tiles
+            # them); the carried rows a group of their own
+            verify = (_packed_group(meta, gv, w, starts, counts, seq_lens, bpt, block_size) if w
+                      else _tile_group(meta, range(gv), starts, counts, seq_lens, bpt, block_size))
+            groups = (verify,)
             if meta.carried_rows:
                 groups += (_tile_group(meta, range(gv, len(counts)), starts, counts, seq_lens, bpt, block_size),)
         else:
@@ -144,16 +141,14 @@ class TorchAttention:
         out = torch.empty_like(q)
         for g in plan.tiled:
             n_tok = g.num_rows * g.queries_per_row
-            if g.gather is not None and g.scatter is not None:
-                qg = q.index_select(0, g.gather).view(g.num_rows, g.queries_per_row, *q.shape[1:])
-                og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile, k_cache,
-                                     v_cache, scale).reshape(n_tok, *q.shape[1:])
-                out.index_copy_(0, g.scatter[1], og.index_select(0, g.scatter[0]).to(q.dtype))
-                continue
-            qg = q[g.token_start : g.token_start + n_tok].view(g.num_rows, g.queries_per_row, *q.shape[1:])
+            rows = q[g.token_start : g.token_start + n_tok] if g.gather is None else q.index_select(0, g.gather)
+            qg = rows.view(g.num_rows, g.queries_per_row, *q.shape[1:])
             og = tiled_attention(qg, g.key_masks, g.stale_keys, g.block_ids, plan.blocks_per_tile, k_cache, v_cache,
-                                 scale)
-            out[g.token_start : g.token_start + n_tok] = og.reshape(n_tok, *q.shape[1:]).to(q.dtype)
+                                 scale).reshape(n_tok, *q.shape[1:])
+            if g.scatter is None:
+                out[g.token_start : g.token_start + n_tok] = og.to(q.dtype)
+            else:
+                out.index_copy_(0, g.scatter[1], og.index_select(0, g.scatter[0]).to(q.dtype))
         return out
 
 

@@ -28,6 +28,19 @@ def det_workload(n: int, vocab: int, max_tokens: tuple[int, int], seed: int = 0,
     return prompts, params
 
 
+REAL_TEXTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Roses are red,",
+              "2 + 2 =", "The quick brown fox"]
+
+
+def real_workload(tokenizer: Any, max_tokens: Callable[[int], int]) -> tuple[list[list[int]], list[SamplingParams]]:
+    """REAL_TEXTS as deterministic requests for a real model: request i has max_tokens(i) outputs, even ones
+    greedy, odd ones sampled (temperature 0.9, seed 300 + i), EOS ignored."""
+    prompts = [list(tokenizer.encode(t)) for t in REAL_TEXTS]
+    params = [SamplingParams(max_tokens=max_tokens(i), temperature=0.9 if i % 2 else 0.0, seed=300 + i,
+                             deterministic=True, ignore_eos=True) for i in range(len(REAL_TEXTS))]
+    return prompts, params
+
+
 def fast_params(seed: int = 99, max_tokens: int = 12) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, ignore_eos=True)
 

@@ -146,6 +146,23 @@ def test_static_staging_pads_rows() -> None:
     assert static.canonical_rows(4).tolist() == [0, 0, 0, 0]  # no flags given: every row uses any kernel
 
 
+def test_static_staging_of_query_starts() -> None:
+    """With staged_qsl (a packed verify pass's graph) the query starts are staged with the rest, in the same
+    buffer; without it they are the fixed tokens_per_row steps and staging them is refused."""
+    static = _StaticPass(max_rows=4, tokens_per_row=3, max_blocks=2, device=torch.device("cpu"), staged_qsl=True)
+    static.stage(4, [5, 6, 7, 8], [0, 1, 2, 9], [BS] * 4, [3, 1, 0, 10], [[2], [3], [], [4]], pad_slot=BS,
+                 pad_block=0, qsl=[0, 3, 3, 3, 4])
+    assert static.qsl.tolist() == [0, 3, 3, 3, 4]
+    assert static.qsl.data_ptr() == static.i32[-5:].data_ptr()  # a view of the staged buffer: one copy
+    ids, _, _, lens, tabs = static.token_views(4, 4)
+    assert ids.tolist() == [5, 6, 7, 8] and lens.tolist() == [3, 1, 0, 10]
+    assert tabs.tolist() == [[2, 0], [3, 0], [0, 0], [4, 0]]
+    fixed = _StaticPass(max_rows=4, tokens_per_row=3, max_blocks=2, device=torch.device("cpu"))
+    assert fixed.qsl.tolist() == [0, 3, 6, 9, 12]
+    with pytest.raises(AssertionError, match="query starts need staged_qsl"):
+        fixed.stage(1, [5], [0], [BS], [1], [[2]], pad_slot=BS, pad_block=0, qsl=[0, 1])
+
+
 def test_static_staging_rewrites_only_changed_tables_correctly() -> None:
     """Incremental table staging (rows compared with what they hold) equals staging from scratch over a
     random sequence of steps: tables grow, shrink (rollback), change row, and the batch shrinks / grows."""

@@ -18,7 +18,7 @@ from engine.fingerprint import runtime_fingerprint
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
-                                    replay_requests, staggered)
+                                    real_workload, replay_requests, staggered)
 
 VOCAB = 64
 
@@ -115,12 +115,7 @@ def test_transcripts_replay_under_carried_rows(make_mock_llm: Any, workload: Any
 def test_real_model_alone_equals_batched_with_carried_rows(make_real_llm: Any, smollm2_source: Any) -> None:
     """SmolLM2 on the CPU (float32, torch backend), D = 4: a request alone, and the same requests among
     non-deterministic ones with real carried rows, give the same bits; and so does a replay."""
-    tok = smollm2_source.tokenizer
-    texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Roses are red,",
-             "2 + 2 =", "The quick brown fox"]
-    prompts = [list(tok.encode(t)) for t in texts]
-    params = [SamplingParams(max_tokens=8 + 3 * i, temperature=0.9 if i % 2 else 0.0, seed=300 + i,
-                             deterministic=True, ignore_eos=True) for i in range(len(texts))]
+    prompts, params = real_workload(smollm2_source.tokenizer, lambda i: 8 + 3 * i)
     cfg = dict(window=8, group=4, verify_decode_rows=4)
     alone = one_at_a_time(make_real_llm(**cfg), prompts, params)
     llm = make_real_llm(max_num_seqs=6, **cfg)

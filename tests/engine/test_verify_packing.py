@@ -19,7 +19,7 @@ from engine.fingerprint import runtime_fingerprint
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
-                                    replay_requests, staggered)
+                                    real_workload, replay_requests, staggered)
 
 VOCAB = 64
 W, G = 8, 4
@@ -125,12 +125,7 @@ def test_transcripts_replay_across_packings(make_mock_llm: Any, workload: Any) -
 def test_real_model_packed_equals_padded(make_real_llm: Any, smollm2_source: Any) -> None:
     """SmolLM2 on the CPU (float32, torch backend, which computes a packed pass's rows as the padded pass
     does): the same bits packed and padded, with carried rows and among non-deterministic traffic."""
-    tok = smollm2_source.tokenizer
-    texts = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Roses are red,",
-             "2 + 2 =", "The quick brown fox"]
-    prompts = [list(tok.encode(t)) for t in texts]
-    params = [SamplingParams(max_tokens=5 + 3 * i, temperature=0.9 if i % 2 else 0.0, seed=300 + i,
-                             deterministic=True, ignore_eos=True) for i in range(len(texts))]
+    prompts, params = real_workload(smollm2_source.tokenizer, lambda i: 5 + 3 * i)
     cfg = dict(window=8, group=2, verify_decode_rows=2, max_num_seqs=8)
     ref = make_real_llm(**cfg).generate(prompts, params)
     llm = make_real_llm(verify_packing="packed", **cfg)
