@@ -18,7 +18,8 @@
 # levers15 (verify passes padded / packed, early decode on), packtests (gpu tests of packed verify passes),
 # levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128),
 # final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults),
-# levers18 (packed passes due at G*W tokens against G windows; not yet run).
+# levers18 (packed passes due at G*W tokens against G windows), profile17 (the mixes' GPU gaps, nondeterministic
+# and dvr 100 %, at the sixteenth session's defaults).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -180,6 +181,14 @@ stage_levers18() {  # for the next session, one machine (at most 2 x 130 s): pac
       --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_50pct,dvr_100pct \
       --verify-trigger $t --deadline-s 120 --out "$OUT" --name gpu-bench-trigger-$t 2>&1 | grep -v Warn | tail -6
   done
+}
+
+stage_profile17() {  # where the GPU idles at the sixteenth session's defaults: the mixes, nondeterministic and
+  # dvr 100 %, each with one more run under torch.profiler (gaps by neighbouring kernels)
+  timeout "${PROFILE_TIMEOUT:-240}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
+    --profile-modes nondeterministic,dvr_100pct --deadline-s 220 --out "$OUT" --name gpu-bench-profile17 \
+    2>&1 | grep -v Warn | tail -8
 }
 
 stage_packtests() {  # the packed verify pass's gpu tests, and the dvr / carry / graphs tests it touches
