@@ -187,7 +187,7 @@ stage_profile17() {  # where the GPU idles at the sixteenth session's defaults: 
   # dvr 100 %, each with one more run under torch.profiler (gaps by neighbouring kernels)
   timeout "${PROFILE_TIMEOUT:-240}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
     --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
-    --profile-modes nondeterministic,dvr_100pct --deadline-s 220 --out "$OUT" --name gpu-bench-profile17 \
+    --profile-modes nondeterministic,dvr_100pct --deadline-s 220 --out "$OUT" --name gpu-bench-profile17${PROFILE_TAG:-} ${PROFILE_ARGS:-} \
     2>&1 | grep -v Warn | tail -8
 }
 

@@ -29,6 +29,7 @@ every subsection), so a run killed by a time limit keeps what it measured.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import inspect
 import json
@@ -39,7 +40,7 @@ import sys
 import textwrap
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -1132,26 +1133,29 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
         for i, (p, m) in enumerate(zip(prompts, out_lens))]
     cap = ctx.cap(cap_s)
     totals = llm.core.totals
-    walls: dict[str, list[float]] = {}  # step kind -> [steps, host wall seconds]
+    walls: dict[str, list[float]] = {}  # step kind -> [steps, host wall seconds, of which waiting on events]
     previous = "prefill"
-    _sync()
-    t0 = time.perf_counter()
-    done: dict[str, float] = {}
-    while len(done) < len(seqs) and time.perf_counter() - t0 < cap:
-        passes = (totals.prefill_passes, totals.verify_passes, totals.decode_passes)
-        ts = time.perf_counter()
-        llm.core.step()
-        wall = time.perf_counter() - ts
-        kind = step_kind(passes, (totals.prefill_passes, totals.verify_passes, totals.decode_passes), previous)
-        previous = kind
-        entry = walls.setdefault(kind, [0, 0.0])
-        entry[0] += 1
-        entry[1] += wall
-        for s in seqs:
-            if s.is_finished and s.request_id not in done:
-                done[s.request_id] = time.perf_counter() - t0
-    _sync()
-    total = time.perf_counter() - t0
+    waited = [0.0]
+    with _timed_event_waits(waited):
+        _sync()
+        t0 = time.perf_counter()
+        done: dict[str, float] = {}
+        while len(done) < len(seqs) and time.perf_counter() - t0 < cap:
+            passes = (totals.prefill_passes, totals.verify_passes, totals.decode_passes)
+            ts, w0 = time.perf_counter(), waited[0]
+            llm.core.step()
+            wall = time.perf_counter() - ts
+            kind = step_kind(passes, (totals.prefill_passes, totals.verify_passes, totals.decode_passes), previous)
+            previous = kind
+            entry = walls.setdefault(kind, [0, 0.0, 0.0])
+            entry[0] += 1
+            entry[1] += wall
+            entry[2] += waited[0] - w0
+            for s in seqs:
+                if s.is_finished and s.request_id not in done:
+                    done[s.request_id] = time.perf_counter() - t0
+        _sync()
+        total = time.perf_counter() - t0
     for s in seqs:  # a capped run's leftovers must not ride into the next run
         if not s.is_finished:
             llm.core.abort(s.request_id)
@@ -1164,9 +1168,32 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
     return {"seconds": total, "output_tok_per_s": tokens / total, "committed_tokens": tokens,
             "finished": len(done), "requests": len(seqs), "capped": len(done) < len(seqs), "cap_s": round(cap, 1),
             "p50_latency_s": _pct(lat, 50), "p99_latency_s": _pct(lat, 99), "stats": stats,
-            # host wall time of each step() by kind (the loop's bookkeeping between steps is not counted)
-            "step_wall_s": {k: {"steps": n, "seconds": round(t, 4), "mean_ms": round(1e3 * t / n, 3)}
-                            for k, (n, t) in sorted(walls.items())}}
+            # host wall time of each step() by kind (the loop's bookkeeping between steps is not counted), and
+            # of it the time spent waiting in CUDA event synchronizes (the rest is host work)
+            "step_wall_s": {k: {"steps": n, "seconds": round(t, 4), "mean_ms": round(1e3 * t / n, 3),
+                                "waiting_s": round(wt, 4)}
+                            for k, (n, t, wt) in sorted(walls.items())}}
+
+
+@contextlib.contextmanager
+def _timed_event_waits(total: list[float]) -> Iterator[None]:
+    """Add the seconds spent in torch.cuda.Event.synchronize (the engine's waits for the device: sampled
+    tokens read, staging buffers free) to total[0] while inside; a no-op without CUDA."""
+    if not torch.cuda.is_available():
+        yield
+        return
+    original = torch.cuda.Event.synchronize
+
+    def timed(self: Any) -> None:
+        t = time.perf_counter()
+        original(self)
+        total[0] += time.perf_counter() - t
+
+    torch.cuda.Event.synchronize = timed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.cuda.Event.synchronize = original  # type: ignore[method-assign]
 
 
 def _profiled_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list[int], det_ids: set[int],
@@ -1177,8 +1204,16 @@ def _profiled_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: l
     from torch.profiler import ProfilerActivity, profile
 
     activity = ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU  # CPU: no kernels
-    with profile(activities=[activity]) as prof:
+    host = getattr(ctx.args, "profile_host", False)
+    activities = [activity] + ([ProfilerActivity.CPU] if host and activity != ProfilerActivity.CPU else [])
+    with profile(activities=activities) as prof:
         run = _timed_mode_run(ctx, llm, prompts, out_lens, det_ids, cap_s, tag)
+    host_api: dict[str, list[float]] = {}
+    if host:  # host side: CUDA runtime calls and torch ops by host time (where the host waits or stalls)
+        for ev in prof.key_averages():
+            if ev.key.startswith(("cuda", "aten::", "Memcpy")) and ev.self_cpu_time_total > 0:
+                host_api[ev.key[:60]] = [ev.count, round(ev.self_cpu_time_total / 1e3, 2)]
+        host_api = dict(sorted(host_api.items(), key=lambda kv: -kv[1][1])[:30])
     spans = sorted((ev.time_range.start, ev.time_range.end, ev.name[:70]) for ev in prof.events()
                    if ev.device_type.name == "CUDA" and ev.time_range.end > ev.time_range.start)
     busy, gaps, end, last = 0.0, [], None, ""
@@ -1204,7 +1239,8 @@ def _profiled_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: l
             "step_wall_s": run["step_wall_s"],
             "top_kernels_ms": {k: round(v / 1e3, 2) for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])[:20]},
             "gaps_by_neighbours_ms": {k: [n, round(t / 1e3, 2)] for k, (n, t)
-                                      in sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:15]}}
+                                      in sorted(by_pair.items(), key=lambda kv: -kv[1][1])[:15]},
+            **({"host_calls_count_ms": host_api} if host else {})}
 
 
 def step_kind(before: tuple[int, int, int], after: tuple[int, int, int], previous: str) -> str:
@@ -1554,6 +1590,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--profile-modes", type=_csv, default=[],
                    help="modes (nondeterministic, dvr_100pct, ...) that get one more run under torch.profiler "
                         "after their timed runs: GPU busy time, kernels, gaps (a diagnostic; not timed)")
+    p.add_argument("--profile-host", action="store_true",
+                   help="the --profile-modes runs record host activity too: CUDA runtime calls and torch ops by "
+                        "host time (the profiler's own host overhead slows those runs)")
     p.add_argument("--chunk-programs", type=int, default=None,
                    help="set engine.attention.triton_canonical_decode.CHUNK_PROGRAMS for the whole run (the canonical "
                         "decode kernel's programs per launch it aims at; 0 = one program per key chunk of the "
