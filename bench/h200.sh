@@ -19,7 +19,8 @@
 # levers16 (packed passes at other W / G / D and with 2048-token canonical passes), levers17 (packed, 2048, D = 64 / 96 / 128),
 # final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults),
 # levers18 (packed passes due at G*W tokens against G windows), profile17 (the mixes' GPU gaps, nondeterministic
-# and dvr 100 %, at the sixteenth session's defaults).
+# and dvr 100 %, at the sixteenth session's defaults), levers19 (chained verify passes off / on: windows may end at
+# in-flight tokens), chaintests (gpu tests of test_gpu_overlap.py, chained verify among them).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -189,6 +190,21 @@ stage_profile17() {  # where the GPU idles at the sixteenth session's defaults: 
     --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
     --profile-modes nondeterministic,dvr_100pct --deadline-s 220 --out "$OUT" --name gpu-bench-profile17${PROFILE_TAG:-} ${PROFILE_ARGS:-} \
     2>&1 | grep -v Warn | tail -8
+}
+
+stage_levers19() {  # chained verify passes (windows may end at the in-flight tokens) off / on at the CUDA defaults,
+  # one machine; dvr 100 % profiled in both
+  for cv in off on; do
+    timeout 200 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+      --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_50pct,dvr_100pct \
+      --chained-verify $cv --profile-modes dvr_100pct --deadline-s 190 --out "$OUT" \
+      --name gpu-bench-chained-$cv 2>&1 | grep -v Warn | tail -8
+  done
+}
+
+stage_chaintests() {  # gpu tests of chained verify passes (SmolLM2)
+  timeout "${CHAINTESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -s \
+    tests/engine/test_gpu_overlap.py 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-chained.txt" | tail -12
 }
 
 stage_packtests() {  # the packed verify pass's gpu tests, and the dvr / carry / graphs tests it touches

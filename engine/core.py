@@ -28,7 +28,8 @@ from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
-from engine.verifier import RowKind, apply_dvr, apply_teacher, window_applies
+from engine.verifier import (RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, inflight_input,
+                             window_applies)
 
 if TYPE_CHECKING:
     import torch
@@ -266,22 +267,26 @@ class EngineCore:
         launched on the device (no top-k / top-p / top logprobs), the next decode step (`_early_decode`)
         is launched before they are read, so the host applies them while the GPU runs that step.
         A chained pass (`Scheduler.chained_verify`) is planned with the decode step before it in flight: it is
-        launched behind that step (carried rows whose last token is in flight take it on the device), and
-        that step is read only then, before the pass's samples are applied."""
+        launched behind that step (carried rows whose last token is in flight, and windows that end at a token
+        in flight, take it on the device), and that step is read only then, before the pass's samples are
+        applied (the windows' inputs then get the values read)."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
         carried = plan.decode
         prev = self._inflight
         for seq in carried:
             assert seq.inflight <= (prev is not None) and seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len)
-        chain = None
+        chain = row_chain = None
+        inputs_inflight: list[VerifyRow] = []
         if prev is not None:
             dst = [j for j, s in enumerate(carried) if s.inflight]
             chain = (prev.samples.tokens, dst, [prev.row_of[carried[j].key] for j in dst])
+            row_chain = [(i, prev.row_of[r.seq.key]) for i, r in enumerate(plan.verify) if inflight_input(r)]
+            inputs_inflight = [plan.verify[i] for i, _ in row_chain]
         logits, starts, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
             [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in carried],
-            chain=chain)
+            chain=chain, row_chain=row_chain)
         if carried:
             assert carried_logits is not None
             pending, stays = self._launch_samples(carried, carried_logits)
@@ -290,6 +295,8 @@ class EngineCore:
         if prev is not None:
             self.totals.chained_verify_passes += 1
             touched += self._settle()  # the step before the pass: its tokens are read now, applied first
+            for row in inputs_inflight:
+                fill_inflight_input(row)
         flat = logits  # [G * W, vocab]; sampled where it lies (device or host)
         ids: list[int] = []
         specs: list[tuple[SamplingParams, int, int]] = []

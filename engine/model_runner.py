@@ -149,8 +149,8 @@ class ModelRunner:
         ids.index_copy_(0, index[0], tokens.index_select(0, index[1]))
 
     @torch.inference_mode()
-    def verify(self, rows: list[Row], carried: list[Row] | None = None, chain: Chain | None = None
-               ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
+    def verify(self, rows: list[Row], carried: list[Row] | None = None, chain: Chain | None = None,
+               row_chain: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Exactly G x W verify tokens, then D = verify_decode_rows one-token decode rows (`carried`, dummy
         rows after them). Padded (EngineConfig.verify_packing): row r takes tokens [r W, r W + W), dummies
         after its own, dummy rows up to G. Packed: the rows back to back (at most verify_max_windows), then
@@ -158,7 +158,9 @@ class ModelRunner:
         Returns ([G*W, vocab] logits of the verify tokens, the first token of each row among them,
         [len(carried), vocab] logits of the carried rows or None when D = 0). Under the verify graph both
         are views of its output, valid until the next verify: the caller samples them at once.
-        chain = (tokens, dst, src): carried row dst[i]'s input id is tokens[src[i]] (as `decode`'s)."""
+        chain = (tokens, dst, src): carried row dst[i]'s input id is tokens[src[i]] (as `decode`'s).
+        row_chain = [(r, src)]: verify row r's last input id is chain's tokens[src] (a chained pass's window
+        that ends at a token in flight)."""
         g, w, d = self.config.group, self.config.window, self.config.verify_decode_rows
         packed = self.config.verify_packing == "packed"
         carried = carried or []
@@ -179,7 +181,9 @@ class ModelRunner:
             lay = _concat_layouts(lay, self._carried_layout(carried, d, g * w))
         if chain is not None:  # carried rows follow the G x W verify tokens
             assert all(0 <= j < len(carried) for j in chain[1]), "a chained row that is not carried"
-            chain = (chain[0], [g * w + j for j in chain[1]], chain[2])
+            ends = [starts[r] + len(rows[r].tokens) - 1 for r, _ in row_chain or ()]
+            chain = (chain[0], ends + [g * w + j for j in chain[1]], [src for _, src in row_chain or ()] + chain[2])
+        assert chain is not None or not row_chain, "a verify input in flight needs the chain's tokens"
         logits = None
         if self.verify_graph is not None and self.verify_graph.stage(
                 lay.ids, lay.positions, lay.slots, lay.seq_lens, lay.block_tables,

@@ -142,7 +142,7 @@ class Scheduler:
             ready = [s for s in ready if s not in exclude and s not in not_ready]
             decodable = [s for s in decodable if s not in exclude]
         if not decodable or self._verify_due(ready, decodable, self.step_index + 1,
-                                             known_only=self.config.chained_verify):
+                                             known_only=self.config.chained_verify and self.chained_known_only):
             return None
         need = sum(self.blocks.extra_blocks(seq_key(s), s.num_tokens) for s in decodable)
         if need > self.blocks.num_free:
@@ -154,20 +154,24 @@ class Scheduler:
 
     def chained_verify(self) -> Plan | None:
         """The verify pass `schedule` would plan now, planned while the previous decode step's tokens are
-        still on the device (EngineConfig.chained_verify): its windows hold known candidates only, and the
-        rows it carries take their input ids from the in-flight tokens (the engine chains them as it does a
-        decode step's). None where `schedule` could plan something else (a prefill), the verify trigger does
-        not hold, the in-flight tokens would complete a window this pass could take (the pass planned after
-        the read holds more), or KV is short (planning after the read may preempt; this never does)."""
+        still on the device (EngineConfig.chained_verify). Its windows are those the pass planned after the
+        read would take: a window may end at a row's token in flight (its input id is taken on the device,
+        as the rows it carries take theirs), since where a full window ends does not depend on that token's
+        value (one that ends early at a stop token is taken by a later pass). With fault injection
+        (fault_rate > 0, which rewrites candidates on the host) the windows hold known candidates only. None
+        where `schedule` could plan something else (a prefill), the verify trigger does not hold, with
+        faults where the in-flight tokens would complete a window this pass could take (the pass planned
+        after the read holds more), or KV is short (planning after the read may preempt; this never does)."""
         if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
             return None
         ready, decodable = self._classify()
         step = self.step_index + 1
-        if not ready or not self._verify_due(ready, decodable, step, known_only=True):
+        known_only = self.chained_known_only
+        if not ready or not self._verify_due(ready, decodable, step, known_only=known_only):
             return None
         w = self.config.window
-        picks, known = self._pick_windows(ready, known_only=True)
-        if known < self._pick_windows(ready)[1]:
+        picks, known = self._pick_windows(ready, known_only=known_only)
+        if known_only and known < self._pick_windows(ready)[1]:
             return None
         taken = list(dict.fromkeys(s for s, _ in picks))
         if not taken:
@@ -177,8 +181,15 @@ class Scheduler:
         self.step_index = step
         for s in taken:
             self.blocks.ensure(seq_key(s), verify_slots(s))
-        built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index) for s, index in picks]
+        built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index, inflight=not known_only)
+                 for s, index in picks]
         return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(taken)))
+
+    @property
+    def chained_known_only(self) -> bool:
+        """A chained verify pass (and the trigger for it) counts known candidates only: with fault injection,
+        whose rewritten candidates differ from the tokens on the device."""
+        return self.config.fault_rate > 0.0
 
     def _head_fits(self) -> bool:
         """The queue's head could be admitted now (its prompt's KV is free): a prefill pass could be planned.

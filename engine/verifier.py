@@ -48,23 +48,50 @@ class VerifyRow:
         return len(self.tokens)
 
 
-def dvr_row(seq: Sequence, window: int, index: int = 0) -> VerifyRow:
+INFLIGHT_INPUT = 0  # the host's placeholder for a row input still in flight (its id is patched on the device)
+
+
+def dvr_row(seq: Sequence, window: int, index: int = 0, inflight: bool = False) -> VerifyRow:
     """Window `index` of a DVR row. Window 0: [last committed token, the first k candidates],
     k = min(#candidates, max_candidates(W)). Window j >= 1: [c_{jW}, the next k candidates], the row as
     it stands once windows 0 .. j-1 committed in full (see the module doc). Candidates past the last
-    window taken stay for a later pass."""
+    window taken stay for a later pass.
+
+    `inflight` (a chained verify pass, planned before the decode step before it is read): the row's token
+    in flight counts as its next candidate; where a window ends at it, its input is INFLIGHT_INPUT and the
+    engine takes the id from the device (`inflight_input`), then writes the value in once it is read."""
     s = len(seq.tokens)
-    assert s >= 1 and seq.candidates, (seq.request_id, s, len(seq.candidates))
+    assert seq.inflight <= 1, (seq.request_id, seq.inflight)
+    known = len(seq.candidates)
+    n = known + (seq.inflight if inflight else 0)
+    assert s >= 1 and n, (seq.request_id, s, known)
     # a token in flight (a chained verify pass is planned before the step before it is read) holds its slot
-    assert seq.kv_len == seq.prompt_len + s - 1 + len(seq.candidates) + seq.inflight, "fast path KV counter drift"
+    assert seq.kv_len == seq.prompt_len + s - 1 + known + seq.inflight, "fast path KV counter drift"
+    cands = seq.candidates if n == known else [*seq.candidates, INFLIGHT_INPUT]
     if index == 0:
-        k = min(len(seq.candidates), seq.max_candidates(window))
-        return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *seq.candidates[:k]], seq.prompt_len + s - 1, None)
+        k = min(n, seq.max_candidates(window))
+        return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *cands[:k]], seq.prompt_len + s - 1, None)
     first = index * window  # candidates before this window: windows 0 .. j-1 and their bonus slots
-    k = min(len(seq.candidates) - first, window - 1, seq.params.max_tokens - s - first)
-    assert k >= 1, (seq.request_id, index, len(seq.candidates))
-    return VerifyRow(seq, RowKind.DVR, seq.candidates[first - 1: first + k], seq.prompt_len + s - 1 + first,
-                     None, index)
+    k = min(n - first, window - 1, seq.params.max_tokens - s - first)
+    assert k >= 1, (seq.request_id, index, known)
+    return VerifyRow(seq, RowKind.DVR, cands[first - 1: first + k], seq.prompt_len + s - 1 + first, None, index)
+
+
+def inflight_input(row: VerifyRow) -> bool:
+    """The row's last input is its sequence's token in flight (a `dvr_row(..., inflight=True)` window ending
+    at it): its candidate index is the number of known candidates."""
+    seq = row.seq
+    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))  # 0-based candidate index
+    return row.kind == RowKind.DVR and seq.inflight > 0 and last == len(seq.candidates)
+
+
+def fill_inflight_input(row: VerifyRow) -> None:
+    """Once the token in flight is read (a candidate now), write it into the row's last input (the pass already
+    took it from the device), so that applying the row compares against what the pass ran."""
+    seq = row.seq
+    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))
+    assert last < len(seq.candidates), ("a pass input in flight was not read as a candidate", seq.request_id)
+    row.tokens[-1] = seq.candidates[last]
 
 
 def window_applies(row: VerifyRow) -> bool:

@@ -73,3 +73,30 @@ def test_side_stream_canonical_rows_equal_one_stream() -> None:
                                     128 ** -0.5))
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_chained_verify_windows_ending_in_flight_keep_the_bits(make_real_llm: Any, graphs: bool) -> None:
+    """chained_verify on CUDA (packed passes, carried rows, early decode: the CUDA defaults): verify passes
+    launched behind the decode step in flight, whose windows may end at its tokens (input ids taken on the
+    device, in the verify graph's staged ids too), give a lone sync run's token ids and logprobs."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
+    det = [SamplingParams(max_tokens=60, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
+                          deterministic=True, ignore_eos=True) for i in range(len(prompts))]
+    ref = [make_real_llm(window=8, group=2, overlap=False).generate([p], [sp])[0] for p, sp in zip(prompts, det)]
+    llm = make_real_llm(window=8, group=2, overlap=True, cuda_graphs=graphs, max_num_seqs=8, chained_verify=True)
+    runner = llm.core.runner
+    verify, seen = runner.verify, {"row_chains": 0}
+
+    def counted(rows: Any, carried: Any = None, chain: Any = None, row_chain: Any = None) -> Any:
+        seen["row_chains"] += len(row_chain or ())
+        return verify(rows, carried, chain=chain, row_chain=row_chain)
+
+    runner.verify = counted
+    fast = [SamplingParams(max_tokens=30 + 9 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(prompts + [p[::-1] for p in prompts], det + fast)
+    assert_same(ref, outs[: len(prompts)])
+    stats = llm.core.stats()
+    print(f"[chained] graphs={runner.graphs_status} passes={stats.verify_passes} "
+          f"chained={stats.chained_verify_passes} inputs in flight={seen['row_chains']}")
+    assert stats.chained_verify_passes > 0 and seen["row_chains"] > 0, (stats, seen)

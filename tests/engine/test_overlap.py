@@ -307,11 +307,13 @@ def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_
                           (4, 0.0, 0.0, True), (4, 0.3, 0.0, True)])
 def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_mock_llm, carry: int, fault_rate: float,
                                                                        noise: float, early: bool) -> None:
-    """chained_verify: a verify pass due while a decode step is in flight is planned from the known candidates
-    and launched behind it; carried rows take their input ids from that step's tokens on the device. The
-    deterministic outputs are bitwise those of the overlap-off engine (with carried rows, rollbacks, the
-    noisy fast path, and with the early decode after the pass as well); chained passes ran, held only known
-    candidates, and chained carried rows whose last token was in flight."""
+    """chained_verify: a verify pass due while a decode step is in flight is planned before that step is read
+    and launched behind it; carried rows, and windows that end at a token in flight, take their input ids from
+    that step's tokens on the device. The deterministic outputs are bitwise those of the overlap-off engine
+    (with carried rows, rollbacks, the noisy fast path, and with the early decode after the pass as well);
+    chained passes ran, windows ended at in-flight tokens (without faults; with faults, which rewrite
+    candidates on the host, they hold known candidates only), and chained carried rows whose last token was
+    in flight."""
     prompts, params = det_workload(10, VOCAB, max_tokens=(12, 40), seed=6)
     params = [replace(p, deterministic=False) if i % 3 == 2 else p for i, p in enumerate(_plain(params))]
     kw = dict(max_num_seqs=10, fault_rate=fault_rate, fault_seed=3, verify_decode_rows=carry, decode_noise=noise,
@@ -319,25 +321,28 @@ def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_moc
     ref = make_mock_llm(overlap=False, chained_verify=True, **kw).generate(prompts, params)
     llm = make_mock_llm(overlap=True, chained_verify=True, **kw)
     core = llm.core
-    seen = {"chained_rows": 0, "inflight_pass_rows": 0}
+    seen = {"chained_rows": 0, "inflight_pass_rows": 0, "inflight_inputs": 0, "row_chains": 0}
     chained_verify, run_verify = core.scheduler.chained_verify, core.runner.verify
 
     def record_plan() -> Any:
         plan = chained_verify()
         if plan is not None:
             assert core._inflight is not None
-            for r in plan.verify:  # every input of the pass is known; in-flight tokens come after it
+            for r in plan.verify:
                 seq = r.seq
-                # the last known token sits at kv_len - inflight (an in-flight one, at kv_len, is past it)
+                # the last known token sits at kv_len - inflight; an in-flight one, at kv_len, may end a window
+                # (only its last input), except with faults
                 last = r.start_pos + len(r.tokens) - 1
-                assert last <= seq.kv_len - seq.inflight, (seq.request_id, seq.kv_len, seq.inflight, last)
+                assert last <= seq.kv_len - (seq.inflight if fault_rate else 0), (seq.request_id, seq.kv_len, last)
                 seen["inflight_pass_rows"] += seq.inflight
+                seen["inflight_inputs"] += int(seq.inflight > 0 and last == seq.kv_len)
         return plan
 
-    def record_verify(rows: Any, carried: Any = None, chain: Any = None) -> Any:
+    def record_verify(rows: Any, carried: Any = None, chain: Any = None, row_chain: Any = None) -> Any:
         if chain is not None:
             seen["chained_rows"] += len(chain[1])
-        return run_verify(rows, carried, chain=chain)
+        seen["row_chains"] += len(row_chain or ())
+        return run_verify(rows, carried, chain=chain, row_chain=row_chain)
 
     core.scheduler.chained_verify, core.runner.verify = record_plan, record_verify
     got = llm.generate(prompts, params)
@@ -350,6 +355,8 @@ def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_moc
     stats = core.stats()
     assert stats.chained_verify_passes > 0 and stats.verify_passes > stats.chained_verify_passes // 2, stats
     assert seen["inflight_pass_rows"] > 0, seen
+    assert seen["row_chains"] == seen["inflight_inputs"], seen  # each window ending in flight took the device id
+    assert (seen["inflight_inputs"] > 0) == (not fault_rate), seen
     if carry:
         assert seen["chained_rows"] > 0, seen
     if fault_rate:
