@@ -20,7 +20,8 @@
 # final16 (the mixes, the 1k and the 4k set at the sixteenth session's CUDA defaults),
 # levers18 (packed passes due at G*W tokens against G windows), profile17 (the mixes' GPU gaps, nondeterministic
 # and dvr 100 %, at the sixteenth session's defaults), levers19 (chained verify passes off / on: windows may end at
-# in-flight tokens), chaintests (gpu tests of test_gpu_overlap.py, chained verify among them).
+# in-flight tokens), chaintests (gpu tests of test_gpu_overlap.py, chained verify among them), final17 / final17long
+# (the seventeenth session's figures at main's CUDA defaults).
 # The machine has torch/triton/transformers but not our pure-Python deps: see ../shared/GPU.md and
 # ../shared/tools/gpu-prep for how the wheels and the model parts get there.
 set -uo pipefail
@@ -190,6 +191,20 @@ stage_profile17() {  # where the GPU idles at the sixteenth session's defaults: 
     --synthetic-sets sharegpt,sharegpt-896x640 --modes nondeterministic,dvr_100pct \
     --profile-modes nondeterministic,dvr_100pct --deadline-s 220 --out "$OUT" --name gpu-bench-profile17${PROFILE_TAG:-} ${PROFILE_ARGS:-} \
     2>&1 | grep -v Warn | tail -8
+}
+
+stage_final17() {  # the seventeenth session's figures at main's CUDA defaults (chained verify passes whose windows may
+  # end at in-flight tokens, early verify passes, prefill passes launched before the first tokens before them are
+  # read; on top of the sixteenth's): the mixes and the 1k set in every mode (at most 290 s)
+  timeout 290 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --deadline-s 280 --out "$OUT" \
+    --name gpu-bench-modes-mixes 2>&1 | grep -v Warn | tail -20
+}
+
+stage_final17long() {  # the 4k set at the same defaults (at most 170 s)
+  timeout 170 python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+    --synthetic-sets 16x4096x1024 --modes nondeterministic,dvr_10pct,dvr_100pct,batch_invariant --deadline-s 160 \
+    --out "$OUT" --name gpu-bench-modes-4k 2>&1 | grep -v Warn | tail -8
 }
 
 stage_levers19() {  # chained verify passes (windows may end at the in-flight tokens) off / on at the CUDA defaults,

@@ -113,15 +113,16 @@ class EngineConfig:
                                         # voids that token); the others sit the step out. On the H200 dvr 100 % rose
                                         # 2.2 / 0.4 points on the short / matched mix (README, fourteenth session).
                                         # Never changes a committed bit.
-    chained_verify: bool = False        # with overlap: a verify pass that is due while a decode step is in flight
-                                        # is planned from the known candidates and launched behind that step (the
-                                        # rows it carries take their input ids from that step's tokens on the
-                                        # device, as a chained decode step does), so the GPU does not idle while
-                                        # the host reads the step and plans the pass. The ">= G windows" trigger
-                                        # then counts known candidates only (a pass may come one step later);
-                                        # where the known windows are fewer than the sync plan's, or KV is short,
-                                        # the pass is planned after the read as before. Never changes a committed
-                                        # bit.
+    chained_verify: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass that is due
+                                        # while a decode step is in flight is planned before that step is read and
+                                        # launched behind it: the rows it carries, and windows that end at a token in
+                                        # flight, take their input ids from that step's tokens on the device (a full
+                                        # window's end does not depend on that token's value), so the GPU does not
+                                        # idle while the host reads the step and plans the pass. With fault injection
+                                        # its windows hold known candidates only. Where KV is short the pass is
+                                        # planned after the read as before. H200 (one machine): dvr 100 % 0.843 ->
+                                        # 0.849 / 0.831 -> 0.848, dvr 50 % 0.907 -> 0.919 / 0.914 -> 0.924 on the short
+                                        # / matched mix (README, seventeenth session). Never changes a committed bit.
     verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a
                                         # verify pass takes W token slots (a window that ends at a stop or max_tokens is
                                         # padded with dummies); "packed": windows sit back to back, so a pass takes as
@@ -191,7 +192,10 @@ class EngineConfig:
             object.__setattr__(self, "verify_early_decode", on_cuda)
         _check(isinstance(self.verify_early_decode, bool), "verify_early_decode",
                f"must be a bool or None, got {self.verify_early_decode!r}")
-        _check(isinstance(self.chained_verify, bool), "chained_verify", f"must be a bool, got {self.chained_verify!r}")
+        if self.chained_verify is None:
+            object.__setattr__(self, "chained_verify", on_cuda)
+        _check(isinstance(self.chained_verify, bool), "chained_verify",
+               f"must be a bool or None, got {self.chained_verify!r}")
         if self.dvr_decode_attention == "auto":
             object.__setattr__(self, "dvr_decode_attention", "canonical_step_short" if on_cuda else "split")
         if self.dvr_lookahead is None:

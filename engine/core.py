@@ -26,7 +26,7 @@ import numpy as np
 from engine.config import EngineConfig, Mode
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
-from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
+from engine.scheduler import Plan, PrefillItem, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import (RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, inflight_input,
                              window_applies)
@@ -54,6 +54,7 @@ class EngineStats:
     carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
     early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
+    early_verify_passes: int = 0     # verify passes launched before the verify pass before them was applied
 
 
 @dataclass
@@ -63,6 +64,14 @@ class InflightDecode:
     seqs: list[Sequence]
     samples: PendingSamples
     row_of: dict[str, int]   # seq key -> its row in this step (the next step's input ids come from there)
+
+
+@dataclass
+class InflightPrefill:
+    """A launched prefill pass whose first-token samples have not been applied yet (engine overlap)."""
+
+    items: list[PrefillItem]   # the pass's rows that sample, in the samples' order
+    samples: PendingSamples
 
 
 class EngineCore:
@@ -80,6 +89,8 @@ class EngineCore:
         self.totals = EngineStats()
         self._arrivals = 0
         self._inflight: InflightDecode | None = None
+        self._inflight_prefill: InflightPrefill | None = None
+        self._unapplied: frozenset[Sequence] = frozenset()  # rows of verify passes whose samples are not applied
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -134,7 +145,7 @@ class EngineCore:
         return seq
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work() or self._inflight is not None
+        return self.scheduler.has_work() or self._inflight is not None or self._inflight_prefill is not None
 
     def _next_arrival(self) -> int:
         self._arrivals += 1
@@ -150,7 +161,14 @@ class EngineCore:
     def step(self) -> list[Sequence]:
         """One pass. Returns the sequences whose committed state changed (or finished)."""
         touched: list[Sequence] = []
-        plan = self.scheduler.chained_decode() if self._inflight is not None else None
+        plan = None
+        if self._inflight_prefill is not None:
+            # the next prefill pass does not depend on the first tokens in flight: launch it before reading them
+            plan = self.scheduler.chained_prefill()
+            if plan is None:
+                touched += self._retire(self._settle_prefill())
+        if plan is None and self._inflight is not None:
+            plan = self.scheduler.chained_decode()
         if plan is None and self._inflight is not None and self.config.chained_verify:
             plan = self.scheduler.chained_verify()  # launched behind the in-flight step, which it then reads
         if plan is None:
@@ -171,17 +189,37 @@ class EngineCore:
         return touched
 
     def _prefill(self, plan: Plan) -> list[Sequence]:
+        """Launch the pass and sample each row's first token. With overlap (and the device sampler) the samples
+        stay in flight: the next step launches the next prefill pass, if it is one, before they are read
+        (`_settle_prefill`); the previous pass's samples, if any, are applied once this one is launched."""
         rows = [Row(it.tokens, 0, self._table(it.seq)) for it in plan.prefill]
         logits = self.runner.prefill(rows, plan.pass_tokens)  # [R, vocab]
         self.totals.prefill_passes += 1
         idx = [i for i, it in enumerate(plan.prefill) if it.sample]
         specs = [(plan.prefill[i].seq.params, plan.prefill[i].seq.seed, len(plan.prefill[i].tokens)) for i in idx]
-        results = dict(zip(idx, sample_rows(logits[idx], specs))) if idx else {}
-        for i, it in enumerate(plan.prefill):
+        for it in plan.prefill:
             it.seq.kv_len = len(it.tokens)
-            if i in results:
-                self._after_prefill(it.seq, results[i])
-        return [it.seq for it in plan.prefill]
+        pending = sample_rows_deferred(logits[idx], specs) if idx and self.config.overlap else None
+        results = [] if pending is not None or not idx else sample_rows(logits[idx], specs)
+        touched = self._settle_prefill()  # the pass before this one (launched behind it)
+        if pending is not None:
+            self._inflight_prefill = InflightPrefill([plan.prefill[i] for i in idx], pending)
+            return touched + [it.seq for it in plan.prefill if not it.sample]
+        for i, res in zip(idx, results):
+            self._after_prefill(plan.prefill[i].seq, res)
+        return touched + [it.seq for it in plan.prefill]
+
+    def _settle_prefill(self) -> list[Sequence]:
+        """Apply the in-flight prefill pass's first tokens (waits for them); rows aborted meanwhile drop theirs."""
+        held, self._inflight_prefill = self._inflight_prefill, None
+        if held is None:
+            return []
+        touched = []
+        for it, res in zip(held.items, held.samples.results(), strict=True):
+            if it.seq.status == SeqStatus.RUNNING:
+                self._after_prefill(it.seq, res)
+                touched.append(it.seq)
+        return touched
 
     def _after_prefill(self, seq: Sequence, res: SampleResult) -> None:
         if seq.kind == SeqKind.REPLAY:
@@ -307,11 +345,20 @@ class EngineCore:
         launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:
             # the verify samples are launched: queue the next decode step (chained from the carried rows'
-            # in-flight samples) before reading them, so the GPU does not idle while the host applies them
+            # in-flight samples), or the next verify pass where one is due, before reading them, so the GPU does
+            # not idle while the host applies them
             if carried:
                 touched += self._hold(carried, pending, stays)
                 carried = []
-            touched += self._early_decode(plan)
+            verifying = frozenset(r.seq for r in plan.verify)
+            outer, self._unapplied = self._unapplied, self._unapplied | verifying
+            try:
+                early_steps = self.totals.early_decode_steps
+                touched += self._early_decode(plan)
+                if self.totals.early_decode_steps == early_steps:  # none launched: maybe another pass is due
+                    touched += self._early_verify()
+            finally:
+                self._unapplied = outer
             flat_samples = launched.results()
         else:
             flat_samples = sample_rows(flat, specs, ids)
@@ -343,6 +390,20 @@ class EngineCore:
         touched += [r.seq for r in plan.verify]
         return touched + (self._hold(carried, pending, stays) if carried else [])
 
+    def _early_verify(self) -> list[Sequence]:
+        """The verify pass after a verify pass, when the step after it would be one (no early decode step was
+        launched: another pass is due): planned from the other rows (`Scheduler.chained_verify`, the rows of
+        every pass not applied yet left out) and run before this pass's samples are read, so the GPU does not
+        idle while the host applies them. Its rows, and those it carries, are disjoint from the passes before it,
+        so applying it first changes no committed bit."""
+        if not self.config.chained_verify:
+            return []
+        plan = self.scheduler.chained_verify(exclude=self._unapplied)
+        if plan is None:
+            return []
+        self.totals.early_verify_passes += 1
+        return self._verify(plan)
+
     def _early_decode(self, verify: Plan) -> list[Sequence]:
         """The decode step after a verify pass, planned and launched before the pass's samples are read:
         every row a chained decode step would take. The pass's own rows are not counted ready; a row of
@@ -353,12 +414,13 @@ class EngineCore:
         the scheduler would plan anything else (a prefill, a verify pass, a preemption) or nothing can
         decode."""
         verifying = frozenset(r.seq for r in verify.verify)
+        unapplied = self._unapplied - verifying  # rows of the passes before this one (early verify), not applied yet
         covered: dict[Sequence, int] = {}  # each row's last position that this pass verifies
         for r in verify.verify:
             covered[r.seq] = max(covered.get(r.seq, -1), r.start_pos + len(r.tokens) - 1)
         runs_ahead = frozenset(s for s, end in covered.items()
                                if s.kind == SeqKind.DVR and not s.pending_windows and s.kv_len > end)
-        plan = self.scheduler.chained_decode(exclude=verifying - runs_ahead, not_ready=verifying)
+        plan = self.scheduler.chained_decode(exclude=(verifying - runs_ahead) | unapplied, not_ready=verifying)
         if plan is None:
             return []
         self.totals.early_decode_steps += 1
