@@ -391,12 +391,12 @@ class EngineCore:
         return touched + (self._hold(carried, pending, stays) if carried else [])
 
     def _early_verify(self) -> list[Sequence]:
-        """The verify pass after a verify pass, when the step after it would be one (no early decode step was
-        launched: another pass is due): planned from the other rows (`Scheduler.chained_verify`, the rows of
+        """EngineConfig.early_verify (off by default). The verify pass after a verify pass, when the step after it
+        would be one (no early decode step was launched: another pass is due): planned from the other rows (`Scheduler.chained_verify`, the rows of
         every pass not applied yet left out) and run before this pass's samples are read, so the GPU does not
         idle while the host applies them. Its rows, and those it carries, are disjoint from the passes before it,
         so applying it first changes no committed bit."""
-        if not self.config.chained_verify:
+        if not (self.config.chained_verify and self.config.early_verify):
             return []
         plan = self.scheduler.chained_verify(exclude=self._unapplied)
         if plan is None:

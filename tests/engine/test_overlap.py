@@ -438,12 +438,15 @@ def test_early_verify_pass_keeps_every_bit(make_mock_llm, noise: float, fault_ra
     kw = dict(max_num_seqs=12, group=2, window=8, verify_decode_rows=4, fault_rate=fault_rate, fault_seed=2,
               decode_noise=noise, verify_packing=packing, num_kv_blocks=160)
     ref = make_mock_llm(overlap=False, **kw).generate(prompts, params)
-    llm = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, **kw)
+    llm = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, early_verify=True, **kw)
     got = llm.generate(prompts, params)
     det = [i for i, p in enumerate(params) if p.deterministic]
     assert_same([ref[i] for i in det], [got[i] for i in det])
     stats = llm.core.stats()
     assert stats.early_verify_passes > 0, stats
+    off = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, **kw)  # the default: off
+    assert_same([ref[i] for i in det], [off.generate(prompts, params)[i] for i in det])
+    assert off.config.early_verify is False and off.core.stats().early_verify_passes == 0
     assert all(len(o.token_ids) == 40 for o in got)
     core = llm.core
     assert not core._unapplied and not core.has_work()
