@@ -123,13 +123,6 @@ class EngineConfig:
                                         # planned after the read as before. H200 (one machine): dvr 100 % 0.843 ->
                                         # 0.849 / 0.831 -> 0.848, dvr 50 % 0.907 -> 0.919 / 0.914 -> 0.924 on the short
                                         # / matched mix (README, seventeenth session). Never changes a committed bit.
-    early_verify: bool = False          # with chained_verify: where a verify pass is due right after a verify pass (no
-                                        # early decode step launched), it is planned from the other rows and launched
-                                        # before the first pass's samples are applied. Off: on the H200 it took 13 / 37
-                                        # passes early but cost 6 / 21 more decode steps (the pass's rows left out of
-                                        # the next pass's carried rows): dvr 100 % 0.837 / 0.837 on the short /
-                                        # matched mix against 0.849 / 0.848 without it (README, seventeenth session;
-                                        # two machines). Never changes a committed bit.
     verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a
                                         # verify pass takes W token slots (a window that ends at a stop or max_tokens is
                                         # padded with dummies); "packed": windows sit back to back, so a pass takes as
@@ -199,7 +192,6 @@ class EngineConfig:
             object.__setattr__(self, "verify_early_decode", on_cuda)
         _check(isinstance(self.verify_early_decode, bool), "verify_early_decode",
                f"must be a bool or None, got {self.verify_early_decode!r}")
-        _check(isinstance(self.early_verify, bool), "early_verify", f"must be a bool, got {self.early_verify!r}")
         if self.chained_verify is None:
             object.__setattr__(self, "chained_verify", on_cuda)
         _check(isinstance(self.chained_verify, bool), "chained_verify",

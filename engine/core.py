@@ -28,8 +28,7 @@ from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
 from engine.scheduler import Plan, PrefillItem, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
-from engine.verifier import (RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, inflight_input,
-                             window_applies)
+from engine.verifier import RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, window_applies
 
 if TYPE_CHECKING:
     import torch
@@ -54,7 +53,6 @@ class EngineStats:
     carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
     early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
-    early_verify_passes: int = 0     # verify passes launched before the verify pass before them was applied
 
 
 @dataclass
@@ -90,7 +88,6 @@ class EngineCore:
         self._arrivals = 0
         self._inflight: InflightDecode | None = None
         self._inflight_prefill: InflightPrefill | None = None
-        self._unapplied: frozenset[Sequence] = frozenset()  # rows of verify passes whose samples are not applied
 
     # ---- requests ----------------------------------------------------------------------------
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
@@ -200,12 +197,11 @@ class EngineCore:
         for it in plan.prefill:
             it.seq.kv_len = len(it.tokens)
         pending = sample_rows_deferred(logits[idx], specs) if idx and self.config.overlap else None
-        results = [] if pending is not None or not idx else sample_rows(logits[idx], specs)
         touched = self._settle_prefill()  # the pass before this one (launched behind it)
         if pending is not None:
             self._inflight_prefill = InflightPrefill([plan.prefill[i] for i in idx], pending)
             return touched + [it.seq for it in plan.prefill if not it.sample]
-        for i, res in zip(idx, results):
+        for i, res in zip(idx, sample_rows(logits[idx], specs) if idx else []):
             self._after_prefill(plan.prefill[i].seq, res)
         return touched + [it.seq for it in plan.prefill]
 
@@ -319,7 +315,7 @@ class EngineCore:
         if prev is not None:
             dst = [j for j, s in enumerate(carried) if s.inflight]
             chain = (prev.samples.tokens, dst, [prev.row_of[carried[j].key] for j in dst])
-            row_chain = [(i, prev.row_of[r.seq.key]) for i, r in enumerate(plan.verify) if inflight_input(r)]
+            row_chain = [(i, prev.row_of[r.seq.key]) for i, r in enumerate(plan.verify) if r.inflight_input]
             inputs_inflight = [plan.verify[i] for i, _ in row_chain]
         logits, starts, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
@@ -345,20 +341,11 @@ class EngineCore:
         launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:
             # the verify samples are launched: queue the next decode step (chained from the carried rows'
-            # in-flight samples), or the next verify pass where one is due, before reading them, so the GPU does
-            # not idle while the host applies them
+            # in-flight samples) before reading them, so the GPU does not idle while the host applies them
             if carried:
                 touched += self._hold(carried, pending, stays)
                 carried = []
-            verifying = frozenset(r.seq for r in plan.verify)
-            outer, self._unapplied = self._unapplied, self._unapplied | verifying
-            try:
-                early_steps = self.totals.early_decode_steps
-                touched += self._early_decode(plan)
-                if self.totals.early_decode_steps == early_steps:  # none launched: maybe another pass is due
-                    touched += self._early_verify()
-            finally:
-                self._unapplied = outer
+            touched += self._early_decode(plan)
             flat_samples = launched.results()
         else:
             flat_samples = sample_rows(flat, specs, ids)
@@ -390,20 +377,6 @@ class EngineCore:
         touched += [r.seq for r in plan.verify]
         return touched + (self._hold(carried, pending, stays) if carried else [])
 
-    def _early_verify(self) -> list[Sequence]:
-        """EngineConfig.early_verify (off by default). The verify pass after a verify pass, when the step after it
-        would be one (no early decode step was launched: another pass is due): planned from the other rows (`Scheduler.chained_verify`, the rows of
-        every pass not applied yet left out) and run before this pass's samples are read, so the GPU does not
-        idle while the host applies them. Its rows, and those it carries, are disjoint from the passes before it,
-        so applying it first changes no committed bit."""
-        if not (self.config.chained_verify and self.config.early_verify):
-            return []
-        plan = self.scheduler.chained_verify(exclude=self._unapplied)
-        if plan is None:
-            return []
-        self.totals.early_verify_passes += 1
-        return self._verify(plan)
-
     def _early_decode(self, verify: Plan) -> list[Sequence]:
         """The decode step after a verify pass, planned and launched before the pass's samples are read:
         every row a chained decode step would take. The pass's own rows are not counted ready; a row of
@@ -414,13 +387,12 @@ class EngineCore:
         the scheduler would plan anything else (a prefill, a verify pass, a preemption) or nothing can
         decode."""
         verifying = frozenset(r.seq for r in verify.verify)
-        unapplied = self._unapplied - verifying  # rows of the passes before this one (early verify), not applied yet
         covered: dict[Sequence, int] = {}  # each row's last position that this pass verifies
         for r in verify.verify:
             covered[r.seq] = max(covered.get(r.seq, -1), r.start_pos + len(r.tokens) - 1)
         runs_ahead = frozenset(s for s, end in covered.items()
                                if s.kind == SeqKind.DVR and not s.pending_windows and s.kv_len > end)
-        plan = self.scheduler.chained_decode(exclude=(verifying - runs_ahead) | unapplied, not_ready=verifying)
+        plan = self.scheduler.chained_decode(exclude=verifying - runs_ahead, not_ready=verifying)
         if plan is None:
             return []
         self.totals.early_decode_steps += 1

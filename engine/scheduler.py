@@ -163,7 +163,7 @@ class Scheduler:
             self.step_index += 1
         return plan
 
-    def chained_verify(self, exclude: frozenset[Sequence] = frozenset()) -> Plan | None:
+    def chained_verify(self) -> Plan | None:
         """The verify pass `schedule` would plan now, planned while the previous decode step's tokens are
         still on the device (EngineConfig.chained_verify). Its windows are those the pass planned after the
         read would take: a window may end at a row's token in flight (its input id is taken on the device,
@@ -172,15 +172,10 @@ class Scheduler:
         (fault_rate > 0, which rewrites candidates on the host) the windows hold known candidates only. None
         where `schedule` could plan something else (a prefill), the verify trigger does not hold, with
         faults where the in-flight tokens would complete a window this pass could take (the pass planned
-        after the read holds more), or KV is short (planning after the read may preempt; this never does).
-        `exclude`: rows left out as if they were not running (the engine's early verify pass: the rows of the
-        passes before it, not applied yet)."""
+        after the read holds more), or KV is short (planning after the read may preempt; this never does)."""
         if self.waiting and len(self.running) < self.config.max_num_seqs and self._head_fits():
             return None
         ready, decodable = self._classify()
-        if exclude:
-            ready = [s for s in ready if s not in exclude]
-            decodable = [s for s in decodable if s not in exclude]
         step = self.step_index + 1
         known_only = self.chained_known_only
         if not ready or not self._verify_due(ready, decodable, step, known_only=known_only):

@@ -41,6 +41,8 @@ class VerifyRow:
     start_pos: int                     # absolute position of tokens[0]
     window: tuple[int, int] | None     # TEACHER: the recorded (start, end) it re-executes
     index: int = 0                     # DVR: which window of the row's candidates (0 = the next one)
+    inflight_input: bool = False       # DVR: its last input is the sequence's token in flight (INFLIGHT_INPUT
+    #                                    on the host until read; the pass takes the id on the device)
 
     @property
     def num_outputs(self) -> int:
@@ -58,8 +60,9 @@ def dvr_row(seq: Sequence, window: int, index: int = 0, inflight: bool = False) 
     window taken stay for a later pass.
 
     `inflight` (a chained verify pass, planned before the decode step before it is read): the row's token
-    in flight counts as its next candidate; where a window ends at it, its input is INFLIGHT_INPUT and the
-    engine takes the id from the device (`inflight_input`), then writes the value in once it is read."""
+    in flight counts as its next candidate; where a window ends at it, its input is INFLIGHT_INPUT
+    (`VerifyRow.inflight_input`) and the engine takes the id from the device, then writes the value in once
+    it is read (`fill_inflight_input`)."""
     s = len(seq.tokens)
     assert seq.inflight <= 1, (seq.request_id, seq.inflight)
     known = len(seq.candidates)
@@ -70,27 +73,21 @@ def dvr_row(seq: Sequence, window: int, index: int = 0, inflight: bool = False) 
     cands = seq.candidates if n == known else [*seq.candidates, INFLIGHT_INPUT]
     if index == 0:
         k = min(n, seq.max_candidates(window))
-        return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *cands[:k]], seq.prompt_len + s - 1, None)
+        return VerifyRow(seq, RowKind.DVR, [seq.tokens[-1], *cands[:k]], seq.prompt_len + s - 1, None,
+                         inflight_input=k > known)
     first = index * window  # candidates before this window: windows 0 .. j-1 and their bonus slots
     k = min(n - first, window - 1, seq.params.max_tokens - s - first)
     assert k >= 1, (seq.request_id, index, known)
-    return VerifyRow(seq, RowKind.DVR, cands[first - 1: first + k], seq.prompt_len + s - 1 + first, None, index)
-
-
-def inflight_input(row: VerifyRow) -> bool:
-    """The row's last input is its sequence's token in flight (a `dvr_row(..., inflight=True)` window ending
-    at it): its candidate index is the number of known candidates."""
-    seq = row.seq
-    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))  # 0-based candidate index
-    return row.kind == RowKind.DVR and seq.inflight > 0 and last == len(seq.candidates)
+    return VerifyRow(seq, RowKind.DVR, cands[first - 1: first + k], seq.prompt_len + s - 1 + first, None, index,
+                     inflight_input=first + k > known)
 
 
 def fill_inflight_input(row: VerifyRow) -> None:
     """Once the token in flight is read (a candidate now), write it into the row's last input (the pass already
     took it from the device), so that applying the row compares against what the pass ran."""
-    seq = row.seq
-    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))
-    assert last < len(seq.candidates), ("a pass input in flight was not read as a candidate", seq.request_id)
+    seq, known = row.seq, len(row.seq.candidates)
+    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))  # its 0-based candidate index
+    assert row.inflight_input and last < known, ("a pass input in flight was not read as a candidate", seq.request_id)
     row.tokens[-1] = seq.candidates[last]
 
 

@@ -321,15 +321,13 @@ def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_moc
     ref = make_mock_llm(overlap=False, chained_verify=True, **kw).generate(prompts, params)
     llm = make_mock_llm(overlap=True, chained_verify=True, **kw)
     core = llm.core
-    seen = {"chained_rows": 0, "inflight_pass_rows": 0, "inflight_inputs": 0, "row_chains": 0, "early_verify": 0}
+    seen = {"chained_rows": 0, "inflight_pass_rows": 0, "inflight_inputs": 0, "row_chains": 0}
     chained_verify, run_verify = core.scheduler.chained_verify, core.runner.verify
 
-    def record_plan(**kw: Any) -> Any:
-        plan = chained_verify(**kw)
+    def record_plan() -> Any:
+        plan = chained_verify()
         if plan is not None:
-            # behind the step in flight, or (an early verify pass) behind the pass before it
-            assert core._inflight is not None or kw.get("exclude"), kw
-            seen["early_verify"] += bool(kw.get("exclude"))
+            assert core._inflight is not None
             for r in plan.verify:
                 seq = r.seq
                 # the last known token sits at kv_len - inflight; an in-flight one, at kv_len, may end a window
@@ -357,7 +355,6 @@ def test_verify_pass_launched_behind_the_step_in_flight_keeps_every_bit(make_moc
     stats = core.stats()
     assert stats.chained_verify_passes > 0 and stats.verify_passes > stats.chained_verify_passes // 2, stats
     assert seen["inflight_pass_rows"] > 0, seen
-    print(f"[chained] {seen} early_verify_passes={stats.early_verify_passes}")
     assert seen["row_chains"] == seen["inflight_inputs"], seen  # each window ending in flight took the device id
     assert (seen["inflight_inputs"] > 0) == (not fault_rate), seen
     if carry:
@@ -421,34 +418,5 @@ def test_prefill_pass_launched_before_the_first_tokens_before_it_are_read(make_m
         assert o.finished and (len(o.token_ids) == p.max_tokens or o.finish_reason == "stop"), o
     assert counts["chained_prefill"] >= 3, counts
     assert core._inflight_prefill is None and not core.has_work()
-    core.scheduler.blocks.check()
-    assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
-
-
-@pytest.mark.parametrize(("noise", "fault_rate", "packing"), [(0.0, 0.0, "packed"), (0.3, 0.0, "padded"),
-                                                            (0.3, 0.3, "packed")])
-def test_early_verify_pass_keeps_every_bit(make_mock_llm, noise: float, fault_rate: float, packing: str) -> None:
-    """Rows in lockstep make their windows ready together, so verify passes come back to back: the next one is
-    planned from the other rows and launched before the samples of the one before it are read and applied
-    (EngineCore._early_verify). Deterministic outputs are bitwise the overlap-off engine's; early passes ran;
-    every KV block comes back."""
-    prompts = [[3 + i, 5, 7 + i, 11, 13] for i in range(12)]
-    params = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 else 0.8, seed=100 + i, ignore_eos=True,
-                             deterministic=i % 4 != 3) for i in range(12)]
-    kw = dict(max_num_seqs=12, group=2, window=8, verify_decode_rows=4, fault_rate=fault_rate, fault_seed=2,
-              decode_noise=noise, verify_packing=packing, num_kv_blocks=160)
-    ref = make_mock_llm(overlap=False, **kw).generate(prompts, params)
-    llm = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, early_verify=True, **kw)
-    got = llm.generate(prompts, params)
-    det = [i for i, p in enumerate(params) if p.deterministic]
-    assert_same([ref[i] for i in det], [got[i] for i in det])
-    stats = llm.core.stats()
-    assert stats.early_verify_passes > 0, stats
-    off = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, **kw)  # the default: off
-    assert_same([ref[i] for i in det], [off.generate(prompts, params)[i] for i in det])
-    assert off.config.early_verify is False and off.core.stats().early_verify_passes == 0
-    assert all(len(o.token_ids) == 40 for o in got)
-    core = llm.core
-    assert not core._unapplied and not core.has_work()
     core.scheduler.blocks.check()
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
