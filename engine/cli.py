@@ -58,7 +58,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV budget in blocks (default: 514 on the CPU, 90%% of free memory on CUDA)")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "flash"],
                    help="auto: triton on CUDA, torch on the CPU")
-    p.add_argument("--cuda-graphs", action="store_true", help="CUDA only: graph-captured decode (and verify)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="CUDA only: graph-captured decode (and verify); default on for CUDA")
     p.add_argument("--fault-rate", type=float, default=0.0, help="fast-path fault injection rate")
     p.add_argument("--fault-seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")

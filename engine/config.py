@@ -29,6 +29,23 @@ DEFAULT_VERIFY_DECODE_ROWS = 64
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 
 
+# running sequences on CUDA when the KV budget allows it (the decode graphs' largest batch size), and the token
+# slots per sequence the budget must hold for that many; a smaller budget gets proportionally fewer sequences
+DEFAULT_CUDA_MAX_NUM_SEQS = 256
+CUDA_SEQ_SIZING_TOKENS = 1024
+CPU_MAX_NUM_SEQS = 32
+DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
+
+
+def resolve_max_num_seqs(value: int | None, usable_kv_slots: int) -> int:
+    """EngineConfig.max_num_seqs as the engine uses it: an explicit value is kept; None (CUDA, sized once the
+    KV budget is known) is DEFAULT_CUDA_MAX_NUM_SEQS, fewer when the budget holds less than
+    CUDA_SEQ_SIZING_TOKENS slots per sequence (at least 1)."""
+    if value is not None:
+        return value
+    return max(1, min(DEFAULT_CUDA_MAX_NUM_SEQS, usable_kv_slots // CUDA_SEQ_SIZING_TOKENS))
+
+
 class Mode(str, enum.Enum):
     """How the engine makes deterministic requests reproducible."""
 
@@ -57,8 +74,12 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # KV budget (incl. the 2 reserved blocks); None: 514 on the CPU,
                                         # on CUDA `kv_memory_share` of the memory free after the weights
     kv_memory_share: float = 0.9        # CUDA only, when num_kv_blocks is None
-    max_num_seqs: int = 32              # max running sequences
-    max_num_batched_tokens: int = 4096  # prefill token budget per step (and max prompt length)
+    max_num_seqs: int | None = None     # max running sequences. None: 32 on the CPU; on CUDA sized by the model
+                                        # runner from the KV budget (resolve_max_num_seqs): up to
+                                        # DEFAULT_CUDA_MAX_NUM_SEQS while the budget holds CUDA_SEQ_SIZING_TOKENS
+                                        # token slots per sequence
+    max_num_batched_tokens: int | None = None  # prefill token budget per step (and max prompt length). None:
+                                        # 8192 on CUDA, 4096 on the CPU
     canonical_prefill_min_tokens: int | None = None  # DVR / replay prompts are prefilled in passes of exactly
                                         # max(this, next pow2 >= prompt) tokens (packed, dummy-padded), at most
                                         # max_num_batched_tokens; None: DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS
@@ -69,8 +90,9 @@ class EngineConfig:
                                         # point (README, sixteenth session; the budget was the default before).
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
-    cuda_graphs: bool = False           # CUDA only: decode steps per padded batch size, and the verify pass
-                                        # when its graph is bit-exact with eager (checked at capture)
+    cuda_graphs: bool | None = None     # CUDA only: decode steps per padded batch size, and the verify pass
+                                        # when its graph is bit-exact with eager (checked at capture).
+                                        # None: on for CUDA (off on the CPU, where there is nothing to capture)
     dvr_decode_attention: str = "auto"  # DVR rows of a decode step: "canonical" = the verifier's attention
                                         # numerics (fewer rollbacks), "split" = the fast kernel like every other
                                         # row; "canonical_step" = as canonical, and a step holding a DVR row runs
@@ -159,7 +181,11 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 3, "num_kv_blocks",
                f"must be >= 3 (2 reserved), got {self.num_kv_blocks}")
         _check(0.0 < self.kv_memory_share <= 1.0, "kv_memory_share", f"must be in (0, 1], got {self.kv_memory_share}")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
+        _check(self.max_num_seqs is None or self.max_num_seqs >= 1, "max_num_seqs",
+               f"must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is None:
+            budget = DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS if self.resolved_device.type == "cuda" else 4096
+            object.__setattr__(self, "max_num_batched_tokens", budget)
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
                f"must be >= 1, got {self.max_num_batched_tokens}")
         _check(self.dvr_decode_attention in ("auto", "canonical", "canonical_step", "canonical_step_short", "split"),
@@ -178,6 +204,11 @@ class EngineConfig:
             object.__setattr__(self, "attention_backend", "triton" if on_cuda else "torch")
         _check(on_cuda or self.attention_backend not in ("triton", "flash"), "attention_backend",
                f"{self.attention_backend!r} runs on CUDA only; this config resolves to the CPU")
+        if self.cuda_graphs is None:
+            object.__setattr__(self, "cuda_graphs", on_cuda)
+        _check(isinstance(self.cuda_graphs, bool), "cuda_graphs", f"must be a bool or None, got {self.cuda_graphs!r}")
+        if self.max_num_seqs is None and not on_cuda:
+            object.__setattr__(self, "max_num_seqs", CPU_MAX_NUM_SEQS)
         if self.canonical_prefill_min_tokens is None:
             # CUDA: the prefill token budget, so a canonical pass holds as much as a plain prefill pass (fast
             # prompts fill it under load); a lone deterministic prompt pays for the whole pass. CPU: small.

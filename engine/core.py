@@ -80,8 +80,9 @@ class EngineCore:
         self.detokenize = detokenize
         self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
         self.max_model_len = self.runner.max_model_len
-        # the KV budget is resolved once (explicit, CPU default, or sized from free GPU memory)
-        self.config = config = dataclasses.replace(config, num_kv_blocks=self.runner.num_kv_blocks)
+        # the KV budget and the running-sequence limit, resolved once by the runner (explicit, CPU default, or
+        # sized from the device)
+        self.config = config = self.runner.config
         self.scheduler = Scheduler(config, self.eos_ids)
         self.seqs: dict[str, Sequence] = {}
         self.totals = EngineStats()

@@ -10,6 +10,7 @@ so they never touch a live sequence; dummy rows read only the zero block.
 from __future__ import annotations
 
 import array
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -18,7 +19,7 @@ import torch
 
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
-from engine.config import SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode
+from engine.config import RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode, resolve_max_num_seqs
 from engine.scheduler import CANONICAL_PREFILL_ROWS
 
 
@@ -79,6 +80,9 @@ class ModelRunner:
         self.device = device
         self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)  # served context
         self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
+        # the budgets sized from the device are resolved once here, before any graph is captured for them
+        seqs = resolve_max_num_seqs(config.max_num_seqs, (self.num_kv_blocks - RESERVED_BLOCKS) * config.block_size)
+        self.config = config = dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks, max_num_seqs=seqs)
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS, EngineConfig, resolve_decode_cublaslt_min_rows
+from engine.config import (CUDA_SEQ_SIZING_TOKENS, DEFAULT_CUDA_MAX_NUM_SEQS, DEFAULT_DECODE_CUBLASLT_MIN_ROWS,
+                           EngineConfig, resolve_decode_cublaslt_min_rows, resolve_max_num_seqs)
 
 
 def test_auto_backend_resolves_to_torch_on_cpu() -> None:
@@ -53,7 +54,7 @@ def test_decode_cublaslt_min_rows_is_cuda_only_and_checked() -> None:
     # the default: cuBLASLt from DEFAULT_DECODE_CUBLASLT_MIN_ROWS rows when CUDA decode graphs are on, else never
     default = EngineConfig(device="cuda", cuda_graphs=True).decode_cublaslt_min_rows
     assert default == DEFAULT_DECODE_CUBLASLT_MIN_ROWS == 32
-    assert EngineConfig(device="cuda").decode_cublaslt_min_rows == 0
+    assert EngineConfig(device="cuda", cuda_graphs=False).decode_cublaslt_min_rows == 0
     assert EngineConfig(device="cuda", cuda_graphs=True, decode_cublaslt_min_rows=0).decode_cublaslt_min_rows == 0
     assert EngineConfig(device="cuda", cuda_graphs=True, decode_cublaslt_min_rows=32).decode_cublaslt_min_rows == 32
     # the one rule the engine and the bench share
@@ -87,3 +88,23 @@ def test_blas_library_context_restores_the_preference() -> None:
     assert [DecodeGraphs.blas_for(SimpleNamespace(cublaslt_min_rows=32), b) for b in (1, 31, 32, 256)] == \
         [None, None, "cublaslt", "cublaslt"]
     assert DecodeGraphs.blas_for(SimpleNamespace(cublaslt_min_rows=0), 256) is None
+
+
+def test_cuda_defaults_take_the_fast_path() -> None:
+    """EngineConfig() on CUDA is what `serve` runs with no options: CUDA graphs on, the GPU prefill budget, and a
+    running-sequence limit sized from the KV budget once the runner knows it; the CPU keeps its small defaults."""
+    cuda = EngineConfig(device="cuda")
+    assert (cuda.cuda_graphs, cuda.max_num_seqs, cuda.max_num_batched_tokens) == (True, None, 8192)
+    cpu = EngineConfig(device="cpu")
+    assert (cpu.cuda_graphs, cpu.max_num_seqs, cpu.max_num_batched_tokens) == (False, 32, 4096)
+    explicit = EngineConfig(device="cuda", cuda_graphs=False, max_num_seqs=8, max_num_batched_tokens=1024)
+    assert (explicit.cuda_graphs, explicit.max_num_seqs, explicit.max_num_batched_tokens) == (False, 8, 1024)
+    # sized from the budget: the full limit while it holds CUDA_SEQ_SIZING_TOKENS slots a sequence, fewer below
+    assert resolve_max_num_seqs(None, 10**7) == DEFAULT_CUDA_MAX_NUM_SEQS == 256
+    assert resolve_max_num_seqs(None, 64 * CUDA_SEQ_SIZING_TOKENS + 5) == 64
+    assert resolve_max_num_seqs(None, 10) == 1
+    assert resolve_max_num_seqs(12, 10) == 12
+    with pytest.raises(ValueError, match="cuda_graphs.*bool"):
+        EngineConfig(device="cuda", cuda_graphs="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_num_seqs.*>= 1"):
+        EngineConfig(device="cuda", max_num_seqs=0)
