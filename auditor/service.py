@@ -25,7 +25,7 @@ from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
 log = logging.getLogger("auditor.service")
 
 _FIELD = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][A-Za-z0-9_]*)\s*:")
-_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs", "prompt",
+_PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "prompt",
                 "messages", "stop_token_ids")
 
 
@@ -59,6 +59,7 @@ class GenerationRequest:
     temperature: float
     top_p: float
     top_k: int
+    min_p: float
     seed: int | None
     stop: list[str] | None
     ignore_eos: bool
@@ -138,7 +139,7 @@ class CompletionService:
         try:
             params = SamplingParams(
                 max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
-                top_k=request.top_k, seed=seed, stop=request.stop, ignore_eos=request.ignore_eos,
+                top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop, ignore_eos=request.ignore_eos,
                 logprobs=request.logprobs, deterministic=request.deterministic)
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:

@@ -96,6 +96,9 @@ class EngineCore:
         if not prompt:
             raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
         params.validate()
+        if params.top_k > self.shape.vocab_size:
+            raise ValueError(f"top_k: must be <= the vocabulary size {self.shape.vocab_size} (0 = off), "
+                             f"got {params.top_k}")
         bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids: ids must be in [0, {self.shape.vocab_size}), got {bad[:5]}")

@@ -1,10 +1,28 @@
 """Sampling parameters and the counter-based sampler (DESIGN §2).
 
-The noise for (seed, absolute position, vocab id) is a pure function: a splitmix64-style hash gives
-64 bits, the top 53 become a uniform u in the open interval (0, 1), and g = -log(-log(u)) in float64 is
-Gumbel noise. The token is argmax(logits / T + g) over the vocab ids that survive top-k and top-p;
-temperature 0 is argmax of the logits with first-index tie-break. There is no generator state, so a
-rollback needs no rewind and the fast path and the verifier draw the same noise for the same slot.
+Specification (sampler SAMPLER_ID; both implementations, numpy on the host and Triton on CUDA, follow it):
+
+- Logits are float32; x = float64(logit). Temperature 0: the token is argmax x, first id on ties; top-k,
+  top-p and min-p do not apply. The logprob of any token is float32(x - lse), lse = log(sum exp(x)) (float64).
+- Temperature T > 0: s = x / T (float64). The order of the vocab is s descending, lower id first on ties.
+- top-k (k > 0; k >= vocab is off): keep the first k ids of the order.
+- top-p (p < 1): over the top-k set (the whole vocab without top-k), w_i = exp(s_i - max s) and
+  total = sum of w over that set; keep an id when the mass of the ids strictly before it in the order is
+  < p * total. The first id is always kept; every id tied with a kept id and before it is kept too.
+- min-p (m > 0): keep an id when s_i - max s >= log(m), log(m) taken once in float64 (math.log), so both
+  implementations compare the same numbers; m = 1 keeps the ids tied with the maximum.
+- The kept set is the intersection: a prefix of the order, never empty (its first id passes every rule).
+- Noise: for (seed, absolute position, vocab id) a splitmix64-style hash gives 64 bits, the top 53 become a
+  uniform u in the open interval (0, 1), g = -log(-log(u)) in float64. The token is the argmax of s + g over
+  the kept ids, lower id first on ties.
+- Top logprobs (n > 0): the first n ids in the order x descending, lower id first on ties, each with its
+  logprob as above.
+
+There is no generator state, so a rollback needs no rewind and the fast path and the verifier draw the same
+noise for the same slot. Where the implementations can differ is in the last bits of exp / log (libdevice vs
+libm) and the summation order of the log-sum-exp and of the top-p masses; so each engine names its
+implementation in the runtime fingerprint (`sampler_impl`), and a token at a top-p boundary within those last
+bits may differ between a CPU and a CUDA engine, never between two runs of one.
 """
 from __future__ import annotations
 
@@ -28,6 +46,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0                          # 0 = off
+    min_p: float = 0.0                      # 0 = off; keep ids with p >= min_p * max p
     seed: int | None = None                 # unsigned 64-bit; drawn by the engine when None
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -46,6 +65,7 @@ class SamplingParams:
               f"must be a finite number >= 0, got {self.temperature}")
         _need(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _need(self.top_k >= 0, "top_k", f"must be >= 0 (0 = off), got {self.top_k}")
+        _need(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1] (0 = off), got {self.min_p}")
         _need(self.seed is None or 0 <= self.seed <= U64_MAX, "seed",
               f"must be an unsigned 64-bit integer, got {self.seed}")
         _need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
@@ -104,13 +124,20 @@ def sorted_prefix(scaled: np.ndarray, m: int) -> np.ndarray:
     return ids[np.argsort(-scaled[ids], kind="stable")]
 
 
-def keep_mask(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
-    """Boolean mask [vocab] of ids that survive top-k, then top-p over the top-k set.
+def keep_mask(scaled: np.ndarray, top_k: int, top_p: float, min_p: float = 0.0) -> np.ndarray:
+    """Boolean mask [vocab] of ids that survive top-k, then top-p over the top-k set, and min-p.
 
     top-p keeps the shortest prefix of the descending order whose preceding mass is < top_p, with
     p_i = exp(x_i - max) / sum (sum over the top-k set in id order, float64; cumulative sums are
     sequential, so looking at a longer prefix never changes the answer).
     """
+    keep = _keep_top_k_p(scaled, top_k, top_p)
+    if min_p > 0:
+        keep &= scaled - scaled.max() >= math.log(min_p)
+    return keep
+
+
+def _keep_top_k_p(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray:
     v = scaled.shape[0]
     n = v if top_k == 0 else min(top_k, v)
     keep = np.zeros(v, dtype=bool)
@@ -149,8 +176,8 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: 
         token = int(np.argmax(logits))
     else:
         scaled = x64 / params.temperature
-        if params.top_k or params.top_p < 1.0:  # the masks sort the vocab: only pay when asked
-            scaled = np.where(keep_mask(scaled, params.top_k, params.top_p), scaled, -np.inf)
+        if _filtered(params):  # the masks sort the vocab: only pay when asked
+            scaled = np.where(keep_mask(scaled, params.top_k, params.top_p, params.min_p), scaled, -np.inf)
         token = int(np.argmax(scaled + gumbel(seed, position, logits.shape[0])))
     lp = log_softmax64(x64)
     top = None
@@ -177,13 +204,13 @@ def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int
                 rows: list[int] | None = None) -> list[SampleResult]:
     """Sample rows `rows` (default: all, in order) of logits [N, vocab]; specs[i] = (params, seed, position).
 
-    CUDA logits are sampled on the device (engine.kernels.triton_sampler) except rows that ask for top-k /
-    top-p, which take the host path; CPU logits take the host path (numpy, float64).
+    CUDA logits are sampled on the device (engine.kernels.triton_sampler), every parameter included; CPU logits
+    take the host path (numpy, float64).
     """
     rows = list(range(logits.shape[0])) if rows is None else rows
     assert len(rows) == len(specs), (len(rows), len(specs))
     if logits.is_cuda:
-        return _sample_rows_device(logits, specs, rows)
+        return _launch_device(logits, specs, rows).results()
     host = logits.float().numpy()
     return [sample_row(host[r], p, s, pos) for r, (p, s, pos) in zip(rows, specs)]
 
@@ -191,108 +218,75 @@ def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int
 class PendingSamples:
     """Samples of a launched pass whose values have not been read on the host yet (engine overlap).
 
-    `tokens` (Int64[R], on the logits' device; None when already read) can feed the next pass's input ids at once, device to
-    device; `results()` waits for the copies to the host and gives the same SampleResults `sample_rows`
-    would. On the CPU everything is computed at construction and `results()` returns it."""
+    `tokens` (Int64[R], on the logits' device; None when already read) can feed the next pass's input ids at
+    once, device to device; `results()` waits for the copies to the host and gives the same SampleResults
+    `sample_rows` would. On the CPU everything is computed at construction and `results()` returns it."""
 
     def __init__(self, tokens: torch.Tensor | None, logprobs: torch.Tensor | None = None,
-                 ready: list[SampleResult] | None = None) -> None:
+                 ready: list[SampleResult] | None = None, top: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 top_n: list[int] | None = None) -> None:
         self.tokens = tokens
         self._ready = ready
-        self._host: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._host: list[torch.Tensor] = []
         self._event: torch.cuda.Event | None = None
+        self._top_n = top_n
         if ready is None:
-            assert tokens is not None and logprobs is not None and tokens.is_cuda
-            tok_h = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            lp_h = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-            tok_h.copy_(tokens, non_blocking=True)
-            lp_h.copy_(logprobs, non_blocking=True)
-            self._host = (tok_h, lp_h)
+            assert tokens is not None and logprobs is not None
+            if not tokens.is_cuda:  # the kernels under the Triton interpreter (tests)
+                self._host = [t.clone() for t in (tokens, logprobs, *(top or ()))]
+                return
+            for t in (tokens, logprobs, *(top or ())):
+                h = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                h.copy_(t, non_blocking=True)
+                self._host.append(h)
             self._event = torch.cuda.Event()
             self._event.record(torch.cuda.current_stream(tokens.device))
 
     def results(self) -> list[SampleResult]:
         if self._ready is None:
-            assert self._host is not None and self._event is not None
-            self._event.synchronize()
-            tok_h, lp_h = self._host
-            self._ready = [SampleResult(t, lp, None) for t, lp in zip(tok_h.tolist(), lp_h.tolist())]
+            if self._event is not None:
+                self._event.synchronize()
+            tok, lp = self._host[0].tolist(), self._host[1].tolist()
+            tops: list[dict[int, float] | None] = [None] * len(tok)
+            if len(self._host) == 4 and self._top_n is not None:
+                ids, lps = self._host[2].tolist(), self._host[3].tolist()
+                tops = [dict(zip(ids[j][:n], lps[j][:n])) if n else None for j, n in enumerate(self._top_n)]
+            self._ready = [SampleResult(t, p, top) for t, p, top in zip(tok, lp, tops)]
         return self._ready
 
 
 def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
-                         rows: list[int] | None = None) -> PendingSamples | None:
-    """`sample_rows(logits, specs, rows)` without waiting for the values on the host, or None when a row
-    needs the host (top-k / top-p masks, top logprobs): the caller then samples with `sample_rows`. Same
-    algorithm and implementation as `sample_rows`, so the same tokens and logprobs."""
+                         rows: list[int] | None = None) -> PendingSamples:
+    """`sample_rows(logits, specs, rows)` without waiting for the values on the host: on CUDA the tokens stay
+    on the device until `results()`; on the CPU they are computed now. Same algorithm and implementation as
+    `sample_rows`, so the same tokens and logprobs."""
     rows = list(range(logits.shape[0])) if rows is None else rows
-    if any(_filtered(p) or p.logprobs for p, _, _ in specs):
-        return None
     if not logits.is_cuda:
         ready = sample_rows(logits, specs, rows)
         return PendingSamples(torch.tensor([r.token for r in ready], dtype=torch.int64), ready=ready)
-    token, logprob, _ = _launch_device(logits, specs, rows)
-    return PendingSamples(token, logprob)
+    return _launch_device(logits, specs, rows)
 
 
 def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the device sampler on `rows` (no host sync): token Int64, logprob Float32, lse Float64 [R]."""
-    from engine.kernels.triton_sampler import gumbel_sample
+                   ) -> PendingSamples:
+    """Launch the device sampler on `rows` (no host sync): every parameter of every row in one int64 tensor."""
+    from engine.kernels.triton_sampler import pack_params, sample_packed
 
-    dev = logits.device
-    row_ids = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-    # the kernel reads each key's bit pattern as int64; one vectorised hash for all rows
-    keys = torch.from_numpy(noise_keys([s for _, s, _ in specs], [pos for _, _, pos in specs]).view(np.int64))
-    temps = torch.tensor([float(p.temperature) for p, _, _ in specs], dtype=torch.float64)
-    return gumbel_sample(logits, row_ids, keys.to(dev, non_blocking=True), temps.to(dev, non_blocking=True))
+    top_n = [p.logprobs or 0 for p, _, _ in specs]
+    params = pack_params(rows, noise_keys([s for _, s, _ in specs], [pos for _, _, pos in specs]),
+                         [float(p.temperature) for p, _, _ in specs], [p.top_k for p, _, _ in specs],
+                         [float(p.top_p) for p, _, _ in specs], [float(p.min_p) for p, _, _ in specs], top_n)
+    staged = torch.from_numpy(params)
+    if logits.is_cuda:
+        staged = staged.pin_memory().to(logits.device, non_blocking=True)
+    nmax = max(top_n, default=0)
+    token, logprob, _, top_ids, top_lps = sample_packed(logits, staged, nmax)
+    top = (top_ids, top_lps) if nmax else None
+    return PendingSamples(token, logprob, top=top, top_n=top_n if nmax else None)
 
 
 def _filtered(params: SamplingParams) -> bool:
-    return params.temperature != 0 and (params.top_k != 0 or params.top_p < 1.0)
-
-
-def _sample_rows_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
-                        rows: list[int]) -> list[SampleResult]:
-    out: list[SampleResult | None] = [None] * len(specs)
-    fast = [i for i, (p, _, _) in enumerate(specs) if not _filtered(p)]
-    slow = [i for i, (p, _, _) in enumerate(specs) if _filtered(p)]
-    if slow:  # top-k / top-p sort the vocab: those rows (rare) go through the host sampler
-        host = logits[[rows[i] for i in slow]].float().cpu().numpy()
-        for j, i in enumerate(slow):
-            p, seed, pos = specs[i]
-            out[i] = sample_row(host[j], p, seed, pos)
-    if fast:
-        token, logprob, lse = _launch_device(logits, [specs[i] for i in fast], [rows[i] for i in fast])
-        tops = _top_logprobs_device(logits, [rows[i] for i in fast], [specs[i][0].logprobs or 0 for i in fast],
-                                    lse)
-        token_h, logprob_h = token.tolist(), logprob.tolist()
-        for j, i in enumerate(fast):
-            out[i] = SampleResult(token_h[j], logprob_h[j], tops[j] if specs[i][0].logprobs else None)
-    return out  # type: ignore[return-value]
-
-
-def _top_logprobs_device(logits: torch.Tensor, rows: list[int], ns: list[int], lse: torch.Tensor
-                         ) -> list[dict[int, float] | None]:
-    """The n most likely ids of each row with n > 0, ordered as the host sampler orders them (descending,
-    lower id first on ties); logprob = float32(float64(x) - lse), the same formula as the sampled token's."""
-    tops: list[dict[int, float] | None] = [None] * len(rows)
-    want = [j for j, n in enumerate(ns) if n > 0]
-    if not want:
-        return tops
-    k = max(ns[j] for j in want)
-    sub = logits[[rows[j] for j in want]].float()
-    vals, _ = torch.topk(sub, k, dim=-1)
-    lse_h = lse[want].tolist()
-    vals_h = vals.tolist()
-    for a, j in enumerate(want):
-        n = ns[j]
-        kth = vals_h[a][n - 1]
-        ids = torch.nonzero(sub[a] >= kth).flatten().tolist()  # every id tied with the n-th value
-        xs = sub[a, ids].tolist()
-        order = sorted(zip(xs, ids), key=lambda t: (-t[0], t[1]))[:n]
-        tops[j] = {int(i): float(np.float32(x - lse_h[a])) for x, i in order}
-    return tops
+    return params.temperature != 0 and (params.top_k != 0 or params.top_p < 1.0 or params.min_p > 0)
 
 
 def _need(ok: bool, field: str, limit: str) -> None:

@@ -38,6 +38,7 @@ class _Common(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Extensions (send with the openai client's extra_body):
     deterministic: bool | None = None
     top_k: int | None = None
+    min_p: float | None = None
     ignore_eos: bool = False
 
 
@@ -142,6 +143,7 @@ def completion_request(body: CompletionBody, deterministic_default: bool) -> Gen
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=_stop(body.stop),
         ignore_eos=body.ignore_eos,
@@ -185,6 +187,7 @@ def chat_request(body: ChatBody, deterministic_default: bool) -> GenerationReque
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
         seed=body.seed,
         stop=_stop(body.stop),
         ignore_eos=body.ignore_eos,

@@ -1,9 +1,7 @@
 """The counter-based Gumbel sampler on the GPU (engine.sampling's algorithm, on the device).
 
-Why: on CUDA the host sampler had to copy every logits row off the GPU (a verify pass of 8 x 32 rows on a
-128k vocab is 131 MB) and run log-softmax and the Gumbel draw in numpy; that, not the model, bounded the
-engine's throughput and a replay's speed. Here a row never leaves the device; only (token, logprob, lse)
-come back.
+Why: a row never leaves the device; only (token, logprob) and the top logprobs come back, for every sampling
+parameter (temperature, top-k, top-p, min-p, logprobs) and for batches where every row has its own.
 
 Numerics (fixed, batch-invariant, named in the runtime fingerprint as `SAMPLER_IMPL`):
 
@@ -13,12 +11,19 @@ Numerics (fixed, batch-invariant, named in the runtime fingerprint as `SAMPLER_I
                                 running max m and sum s of exp(x - m)   (online log-sum-exp, float64)
     pass 2  program (row):      merges splits 0..S-1 in order (strict '>' keeps the lowest id on ties),
                                 lse = M + log(sum_s s_s * exp(m_s - M)); logprob = float32(x[token] - lse)
+    filter  program (row):      rows with top-k / top-p / min-p: rejection from the unfiltered argmax, walking
+                                the row in FILTER_BLOCK chunks, in order (engine.sampling's specification);
+                                other rows return at once
+    top-n   program (row):      rows asking for top logprobs: n ordered passes (x desc, id asc)
 
-A row's result depends only on its own logits, seed and position — never on the batch, the row's index,
-or how many rows share the launch — so the fast path, the verifier and a replay agree. The noise is the
-same integer hash as the host sampler (splitmix64 of key ^ id, top 53 bits -> u in (0, 1),
-g = -log(-log(u)) in float64); only the last bits of log/exp (libdevice vs libm) and the summation order
-of the log-sum-exp differ from the numpy implementation, which is why the implementation is fingerprinted.
+A row's result depends only on its own logits, seed, position and parameters — never on the batch, the row's
+index, or how many rows share the launch — so the fast path, the verifier and a replay agree. The noise is the
+same integer hash as the host sampler; only the last bits of log/exp (libdevice vs libm) and the summation order
+of the log-sum-exp and of the top-p masses differ from the numpy implementation, which is why the
+implementation is fingerprinted.
+
+Every per-row parameter travels in one int64 tensor [PARAM_ROWS, R] (float64 values as their bit patterns), so
+a launch costs one host-to-device copy whatever the parameters.
 
 Triton is imported lazily, so this module imports on a CPU-only machine; the kernels also run on CPU tensors
 under TRITON_INTERPRET=1 (tests).
@@ -26,6 +31,7 @@ under TRITON_INTERPRET=1 (tests).
 from __future__ import annotations
 
 import functools
+import math
 from types import ModuleType
 
 import numpy as np
@@ -34,7 +40,12 @@ import torch
 SPLIT = 8192        # vocab ids per pass-1 program (multiple of BLOCK)
 BLOCK = 1024        # ids per chunk inside a program
 NUM_WARPS = 4
-SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}"
+FILTER_BLOCK = 1024  # ids per chunk of the filter and top-n programs
+SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}-filter{FILTER_BLOCK}"
+# rows of the packed parameter tensor
+P_KEY, P_TEMP, P_TOP_K, P_TOP_P, P_LOG_MIN_P, P_ROW, P_TOP_N = range(7)
+PARAM_ROWS = 7
+
 
 def row_key(seed: int, position: int) -> int:
     """engine.sampling.noise_key(seed, position) as a signed int64 (bit pattern kept) for the kernel."""
@@ -43,27 +54,46 @@ def row_key(seed: int, position: int) -> int:
     return int(noise_key(seed, position).view(np.int64)[0])
 
 
+def pack_params(rows: list[int], keys: np.ndarray, temps: list[float], top_k: list[int] | None = None,
+                top_p: list[float] | None = None, min_p: list[float] | None = None,
+                top_n: list[int] | None = None) -> np.ndarray:
+    """The per-row parameters as one int64 array [PARAM_ROWS, R]. keys: uint64 or int64 [R] (bit patterns);
+    log(min_p) is taken here, on the host (math.log, -inf for 0), as the host sampler takes it."""
+    r = len(rows)
+    out = np.zeros((PARAM_ROWS, r), np.int64)
+    out[P_KEY] = np.asarray(keys).view(np.int64)
+    out[P_TEMP] = np.asarray(temps, np.float64).view(np.int64)
+    out[P_TOP_K] = top_k if top_k is not None else 0
+    out[P_TOP_P] = np.asarray(top_p if top_p is not None else [1.0] * r, np.float64).view(np.int64)
+    logs = [math.log(m) if m > 0 else -math.inf for m in (min_p or [0.0] * r)]
+    out[P_LOG_MIN_P] = np.asarray(logs, np.float64).view(np.int64)
+    out[P_ROW] = rows
+    out[P_TOP_N] = top_n if top_n is not None else 0
+    return out
+
+
 @functools.cache
-def _kernels() -> tuple[ModuleType, object, object]:
+def _kernels() -> tuple[ModuleType, ModuleType]:
     """Import triton (and compile on first launch) only when a kernel is first used."""
     import triton
 
     from engine.kernels import triton_sampler_kernels as k
 
-    return triton, k.split_kernel, k.merge_kernel
+    return triton, k
 
 
-def gumbel_sample(logits: torch.Tensor, row_ids: torch.Tensor, keys: torch.Tensor, temps: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sample rows `row_ids` of `logits` [N, vocab] (any float dtype; read as float32).
+def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Sample the rows described by `params` (Int64[PARAM_ROWS, R] from `pack_params`, on the logits' device)
+    of `logits` [N, vocab] (any float dtype; read as float32). top_n: the largest P_TOP_N of the rows (0: none).
 
-    keys: Int64[R], the bit patterns of `engine.sampling.noise_keys` (`row_key` for one row); temps: Float64[R] (0 = greedy argmax, first id on ties).
-    Returns (token Int64[R], logprob Float32[R], lse Float64[R]) on the logits' device.
+    Returns (token Int64[R], logprob Float32[R], lse Float64[R], top ids Int64[R, top_n] | None,
+    top logprobs Float32[R, top_n] | None) on the logits' device, without waiting for them.
     """
-    triton, split_kernel, merge_kernel = _kernels()
+    triton, k = _kernels()
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"logits must be [N, vocab] with a contiguous vocab dim, got {tuple(logits.shape)}")
-    n, vocab = row_ids.shape[0], logits.shape[1]
+    n, vocab = params.shape[1], logits.shape[1]
     dev = logits.device
     num_splits = triton.cdiv(vocab, SPLIT)
     best = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
@@ -73,11 +103,30 @@ def gumbel_sample(logits: torch.Tensor, row_ids: torch.Tensor, keys: torch.Tenso
     token = torch.empty(n, dtype=torch.int64, device=dev)
     logprob = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float64, device=dev)
+    xmax = torch.empty(n, dtype=torch.float64, device=dev)
+    top_ids = torch.empty((n, top_n), dtype=torch.int64, device=dev) if top_n else None
+    top_lps = torch.empty((n, top_n), dtype=torch.float32, device=dev) if top_n else None
     if n == 0:
-        return token, logprob, lse
-    split_kernel[(n, num_splits)](logits, logits.stride(0), row_ids, keys, temps, best, arg, m, s, vocab,
-                                  NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK, num_warps=NUM_WARPS)
-    merge_kernel[(n,)](logits, logits.stride(0), row_ids, best, arg, m, s, token, logprob, lse,
-                       NUM_SPLITS=num_splits,
-                       num_warps=1)
+        return token, logprob, lse, top_ids, top_lps
+    pad = triton.cdiv(vocab, FILTER_BLOCK) * FILTER_BLOCK
+    row_ids, keys, temps = params[P_ROW], params[P_KEY], params[P_TEMP].view(torch.float64)
+    k.split_kernel[(n, num_splits)](logits, logits.stride(0), row_ids, keys, temps, best, arg, m, s, vocab,
+                                    NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK, num_warps=NUM_WARPS)
+    k.merge_kernel[(n,)](logits, logits.stride(0), row_ids, best, arg, m, s, token, logprob, lse, xmax,
+                         NUM_SPLITS=num_splits, num_warps=1)
+    # the filtered rows' tokens and logprobs replace the unfiltered ones in place
+    k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, vocab,
+                          VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
+    if top_n:
+        k.top_logprobs_kernel[(n,)](logits, logits.stride(0), params, n, lse, top_ids, top_lps, vocab,
+                                    NMAX=top_n, VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
+    return token, logprob, lse, top_ids, top_lps
+
+
+def gumbel_sample(logits: torch.Tensor, row_ids: torch.Tensor, keys: torch.Tensor, temps: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Unfiltered rows `row_ids` of `logits` [N, vocab]: keys Int64[R] (`row_key`), temps Float64[R]
+    (0 = greedy argmax, first id on ties). Returns (token Int64[R], logprob Float32[R], lse Float64[R])."""
+    params = pack_params(row_ids.tolist(), keys.cpu().numpy(), temps.cpu().tolist())
+    token, logprob, lse, _, _ = sample_packed(logits, torch.from_numpy(params).to(logits.device))
     return token, logprob, lse

@@ -55,7 +55,7 @@ def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr,
 
 @triton.jit
 def merge_kernel(logits_ptr, row_stride, row_ids_ptr, best_ptr, arg_ptr, m_ptr, s_ptr,
-                 token_ptr, logprob_ptr, lse_ptr, NUM_SPLITS: tl.constexpr):
+                 token_ptr, logprob_ptr, lse_ptr, xmax_ptr, NUM_SPLITS: tl.constexpr):
     i = tl.program_id(0)
     row = tl.load(row_ids_ptr + i).to(tl.int64)
     base = i * NUM_SPLITS
@@ -78,3 +78,148 @@ def merge_kernel(logits_ptr, row_stride, row_ids_ptr, best_ptr, arg_ptr, m_ptr, 
     tl.store(token_ptr + i, tok)
     tl.store(logprob_ptr + i, (x - lse).to(tl.float32))
     tl.store(lse_ptr + i, lse)
+    tl.store(xmax_ptr + i, big_m)
+
+
+@triton.jit
+def _order_key(x):
+    """float32 -> int32 whose order is the float order (-0.0 counts as +0.0; no NaN in logits)."""
+    bits = (x + 0.0).to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _count_at_least(base, vocab, t, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    n = tl.full((), 0, tl.int64)
+    for c0 in range(0, VOCAB_PAD, BLOCK_):
+        ids = c0 + tl.arange(0, BLOCK_)
+        x = tl.load(base + ids, mask=ids < vocab, other=-float("inf")).to(tl.float32)
+        n += tl.sum(((_order_key(x) >= t) & (ids < vocab)).to(tl.int64), axis=0)
+    return n
+
+
+@triton.jit
+def _count_tied_upto(base, vocab, kkey, j, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    n = tl.full((), 0, tl.int64)
+    for c0 in range(0, VOCAB_PAD, BLOCK_):
+        ids = c0 + tl.arange(0, BLOCK_)
+        x = tl.load(base + ids, mask=ids < vocab, other=-float("inf")).to(tl.float32)
+        n += tl.sum(((_order_key(x) == kkey) & (ids <= j) & (ids < vocab)).to(tl.int64), axis=0)
+    return n
+
+
+@triton.jit
+def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr, token_ptr, logprob_ptr, vocab,
+                  VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    """Top-k / top-p / min-p for one row per program (engine.sampling's specification): the Gumbel argmax over
+    the kept ids, found by rejection from the unfiltered argmax (token_ptr holds it on entry). The kept set
+    is a prefix of the order (s desc, id asc), so when candidate c is not kept, no id at or after c is: the
+    next candidate is the best score strictly before c. The first id of the order is always kept."""
+    i = tl.program_id(0)
+    row = tl.load(params_ptr + 5 * n_rows + i)
+    key = tl.load(params_ptr + i).to(tl.uint64, bitcast=True)
+    temp = tl.load(params_ptr + n_rows + i).to(tl.float64, bitcast=True)
+    top_k = tl.load(params_ptr + 2 * n_rows + i)
+    top_p = tl.load(params_ptr + 3 * n_rows + i).to(tl.float64, bitcast=True)
+    log_min_p = tl.load(params_ptr + 4 * n_rows + i).to(tl.float64, bitcast=True)
+    use_k = (top_k > 0) & (top_k < vocab)
+    use_p = top_p < 1.0
+    use_m = log_min_p > -float("inf")
+    if (temp > 0.0) & (use_k | use_p | use_m):
+        base = logits_ptr + row * row_stride
+        s_max = tl.load(xmax_ptr + i) / temp
+        # the top-k set when top-p needs its total: ids with key > K, then the lowest ids with key == K
+        kkey = tl.full((), -2147483648, tl.int64)
+        jcut = tl.full((), 2147483647, tl.int64)
+        if use_k & use_p:
+            lo = tl.full((), -2147483648, tl.int64)
+            hi = tl.full((), 2147483647, tl.int64)
+            while lo < hi:  # the largest t with count(key >= t) >= k
+                mid = lo + (hi - lo + 1) // 2
+                if _count_at_least(base, vocab, mid, VOCAB_PAD, BLOCK_) >= top_k:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            kkey = lo
+            need = top_k - _count_at_least(base, vocab, kkey + 1, VOCAB_PAD, BLOCK_)
+            jlo = tl.full((), 0, tl.int64)
+            jhi = tl.full((), VOCAB_PAD - 1, tl.int64)
+            while jlo < jhi:  # the smallest id j with need tied ids <= j
+                jmid = (jlo + jhi) // 2
+                if _count_tied_upto(base, vocab, kkey, jmid, VOCAB_PAD, BLOCK_) >= need:
+                    jhi = jmid
+                else:
+                    jlo = jmid + 1
+            jcut = jlo
+        total = tl.full((), 0.0, tl.float64)
+        if use_p:
+            for c0 in range(0, VOCAB_PAD, BLOCK_):
+                ids = c0 + tl.arange(0, BLOCK_)
+                ok = ids < vocab
+                x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
+                k32 = _order_key(x).to(tl.int64)
+                in_set = ok & ((use_k == 0) | (k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
+                w = tl.exp(x.to(tl.float64) / temp - s_max)
+                total += tl.sum(tl.where(in_set, w, 0.0), axis=0)
+        c = tl.load(token_ptr + i)
+        done = tl.full((), 0, tl.int32)
+        while done == 0:
+            sc = tl.load(base + c).to(tl.float32).to(tl.float64) / temp
+            mass = tl.full((), 0.0, tl.float64)
+            rank = tl.full((), 0, tl.int64)
+            nb = tl.full((), -float("inf"), tl.float64)
+            nb_id = tl.full((), 0, tl.int64)
+            for c0 in range(0, VOCAB_PAD, BLOCK_):
+                ids = c0 + tl.arange(0, BLOCK_)
+                ok = ids < vocab
+                s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
+                before = ok & ((s > sc) | ((s == sc) & (ids < c)))
+                mass += tl.sum(tl.where(before, tl.exp(s - s_max), 0.0), axis=0)
+                rank += tl.sum(before.to(tl.int64), axis=0)
+                bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
+                u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+                score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
+                cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                take = cb > nb
+                nb_id = tl.where(take, (c0 + ca).to(tl.int64), nb_id)
+                nb = tl.where(take, cb, nb)
+            kept = (((use_k == 0) | (rank < top_k)) & ((use_p == 0) | (mass < top_p * total))
+                    & (sc - s_max >= log_min_p))
+            done = kept.to(tl.int32)
+            c = tl.where(kept, c, nb_id)
+        tl.store(token_ptr + i, c)
+        x_tok = tl.load(base + c).to(tl.float32).to(tl.float64)
+        tl.store(logprob_ptr + i, (x_tok - tl.load(lse_ptr + i)).to(tl.float32))
+
+
+@triton.jit
+def top_logprobs_kernel(logits_ptr, row_stride, params_ptr, n_rows, lse_ptr, ids_out_ptr, lp_out_ptr, vocab,
+                        NMAX: tl.constexpr, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    """The n most likely ids of a row in order (x desc, id asc), n = params row 6: one pass per id, each taking
+    the best id strictly after the previous one in that order. logprob = float32(float64(x) - lse)."""
+    i = tl.program_id(0)
+    row = tl.load(params_ptr + 5 * n_rows + i)
+    n = tl.load(params_ptr + 6 * n_rows + i)
+    lse = tl.load(lse_ptr + i)
+    base = logits_ptr + row * row_stride
+    px = tl.full((), float("inf"), tl.float32)
+    pid = tl.full((), -1, tl.int64)
+    for t in tl.static_range(NMAX):
+        if t < n:
+            best = tl.full((), -float("inf"), tl.float32)
+            best_id = tl.full((), -1, tl.int64)
+            for c0 in range(0, VOCAB_PAD, BLOCK_):
+                ids = c0 + tl.arange(0, BLOCK_)
+                ok = ids < vocab
+                x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
+                after = ok & ((x < px) | ((x == px) & (ids > pid)))
+                cand = tl.where(after, x, -float("inf"))
+                cb, ca = tl.max(cand, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                cid = tl.where(tl.sum(after.to(tl.int32), axis=0) > 0, (c0 + ca).to(tl.int64), -1)
+                take = (cid >= 0) & ((best_id < 0) | (cb > best))
+                best_id = tl.where(take, cid, best_id)
+                best = tl.where(take, cb, best)
+            tl.store(ids_out_ptr + i * NMAX + t, best_id)
+            tl.store(lp_out_ptr + i * NMAX + t, (best.to(tl.float64) - lse).to(tl.float32))
+            px = best
+            pid = best_id

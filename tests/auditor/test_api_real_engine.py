@@ -190,3 +190,28 @@ async def test_openai_client_on_postgres(real_pg_server: LiveServer) -> None:
 
 
 pytestmark = pytest.mark.timeout(600)
+
+
+async def test_sampling_filters_are_checked_recorded_and_replayed(real_server: LiveServer) -> None:
+    """min_p / top_k / top_p reach the engine, are signed into the transcript and replay; out-of-range values are
+    a 400 naming the field (top_k above the vocabulary included), with nothing recorded."""
+    key = real_server.keys["client"]
+    oai = client_for(real_server, key)
+    model = (await oai.models.list()).data[0].id
+    for body, param in (({"min_p": 1.5}, "min_p"), ({"min_p": -0.1}, "min_p"), ({"top_k": -1}, "top_k"),
+                        ({"top_k": 10**6}, "top_k")):
+        with pytest.raises(openai.BadRequestError) as err:
+            await oai.completions.create(model=model, prompt=PROMPT, max_tokens=4, extra_body=body)
+        assert err.value.body["param"] == param, (body, err.value.body)
+    completion = await oai.completions.create(
+        model=model, prompt=PROMPT, max_tokens=12, temperature=0.9, top_p=0.9, seed=7,
+        extra_body={"deterministic": True, "top_k": 40, "min_p": 0.05})
+    transcript_id = (completion.model_extra or {})["transcript"]["id"]
+    record = await fetch(real_server, key, transcript_id)
+    payload = json.loads(base64.b64decode(record["envelope"]["payload"]))
+    params = payload["predicate"]["sampling"]["params"]
+    assert (params["top_k"], params["top_p"], params["min_p"]) == (40, 0.9, 0.05)
+    async with real_server.client(real_server.keys["auditor"]) as client:
+        response = await client.post(f"/v1/transcripts/{transcript_id}/replay", params={"wait": "true"})
+    assert response.status_code in (200, 201), response.text
+    assert response.json()["result"] == "match", response.json()

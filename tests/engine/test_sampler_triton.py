@@ -20,22 +20,51 @@ from engine.sampling import SamplingParams, sample_row, sample_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# (temperature, top_k, top_p, logprobs): greedy, sampled, tempered, top-k / top-p (host fallback), logprobs
-PARAMS = [(0.0, 0, 1.0, None), (1.0, 0, 1.0, None), (0.7, 0, 1.0, 3), (1.3, 0, 1.0, None), (0.0, 0, 1.0, 5),
-          (1.0, 40, 1.0, 2), (0.9, 0, 0.8, None), (1.0, 0, 1.0, 0)]
-SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5]
+VOCAB = 20000  # 3 splits: a partial last split and chunks wholly past the vocab
+
+# (temperature, top_k, top_p, min_p, logprobs) per row; _logits shapes the adversarial rows
+PARAMS = [
+    (0.0, 0, 1.0, 0.0, None),      # 0 greedy
+    (1.0, 0, 1.0, 0.0, None),      # 1 sampled
+    (0.7, 0, 1.0, 0.0, 3),         # 2 tempered, logprobs
+    (1.3, 0, 1.0, 0.0, None),      # 3
+    (0.0, 0, 1.0, 0.0, 5),         # 4 greedy with a tie at the max: the first id wins
+    (1.0, 40, 1.0, 0.0, 2),        # 5 top-k
+    (0.9, 0, 0.8, 0.0, None),      # 6 top-p
+    (1.0, 0, 1.0, 0.0, 0),         # 7 logprobs=0
+    (1.0, 0, 0.5, 0.0, 4),         # 8 eight ids tied at the max, the rest without mass: top-p keeps exactly 4
+    (1.0, 0, 0.9, 0.0, None),      # 9 one id holds all the mass
+    (1.0, 0, 1e-6, 0.0, None),     # 10 top_p = 1e-6: the first id of the order only
+    (1.0, 1, 1.0, 0.0, None),      # 11 top_k = 1
+    (1.0, VOCAB, 1.0, 0.0, None),  # 12 top_k = vocab: off
+    (1.0, 0, 1.0, 1.0, None),      # 13 min_p = 1 with two ids tied at the max
+    (0.7, 0, 1.0, 0.1, 2),         # 14 min-p
+    (1.0, 40, 0.8, 0.0, None),     # 15 top-k and top-p (top-p over the top-k set)
+    (1.0, 50, 1.0, 0.0, None),     # 16 ties straddling the top-k cut
+    (1.0, 50, 0.9, 0.05, 3),       # 17 every filter, ties straddling the top-k cut
+    (0.0, 5, 0.1, 0.5, None),      # 18 greedy ignores the filters
+    (1.0, 0, 0.95, 0.0, None),     # 19 the usual chat setting
+]
+SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
 
 
 def _specs() -> list[tuple[SamplingParams, int, int]]:
-    return [(SamplingParams(temperature=t, top_k=k, top_p=p, logprobs=lp), SEEDS[i], 7 + 13 * i)
-            for i, (t, k, p, lp) in enumerate(PARAMS)]
+    return [(SamplingParams(temperature=t, top_k=k, top_p=p, min_p=m, logprobs=lp), SEEDS[i], 7 + 13 * i)
+            for i, (t, k, p, m, lp) in enumerate(PARAMS)]
 
 
 def _logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, vocab, generator=g) * 3
-    if n > 4:
-        x[4, 100:110] = x[4].max() + 1  # a greedy row with a tie: the first id must win
+    if n == len(PARAMS):
+        x[4, 100:110] = x[4].max() + 1
+        x[8] = -1e4
+        x[8, 300:308] = 2.0
+        x[9, 7] = 100.0
+        x[13, 3] = x[13, 9] = x[13].max() + 0.5
+        for r in (16, 17):  # the 45th..54th largest values made equal: the cut at 50 falls inside the tie
+            order = torch.argsort(x[r], descending=True, stable=True)
+            x[r, order[44:54]] = x[r, order[44]].item()
     return x
 
 
@@ -44,21 +73,25 @@ def _as_json(results) -> list:
             for r in results]
 
 
+def _device(x: torch.Tensor, specs, rows) -> list:
+    from engine.sampling import _launch_device
+
+    return _launch_device(x, specs, rows).results()
+
+
 def _interpreted_case() -> dict:
     """Runs inside the TRITON_INTERPRET=1 subprocess: the device path on CPU tensors."""
     from engine.kernels.triton_sampler import gumbel_sample, row_key
-    from engine.sampling import _sample_rows_device
 
-    vocab = 20000  # 3 splits: a partial last split and chunks wholly past the vocab
-    x = _logits(len(PARAMS), vocab)
+    x = _logits(len(PARAMS), VOCAB)
     specs = _specs()
-    together = _sample_rows_device(x, specs, list(range(len(specs))))
-    alone = [_sample_rows_device(x, [specs[i]], [i])[0] for i in range(len(specs))]
+    together = _device(x, specs, list(range(len(specs))))
+    alone = [_device(x, [specs[i]], [i])[0] for i in range(len(specs))]
     perm = list(reversed(range(len(specs))))
-    permuted = _sample_rows_device(x, [specs[i] for i in perm], perm)
+    permuted = _device(x, [specs[i] for i in perm], perm)
     # the same row sampled from a bigger, different batch (row ids into a larger logits tensor)
-    big = torch.cat([_logits(3, vocab, seed=9), x])
-    shifted = _sample_rows_device(big, specs, [i + 3 for i in range(len(specs))])
+    big = torch.cat([_logits(3, VOCAB, seed=9), x])
+    shifted = _device(big, specs, [i + 3 for i in range(len(specs))])
     keys = torch.tensor([row_key(s, p) for _, s, p in specs[:1]], dtype=torch.int64)
     _, _, lse = gumbel_sample(x, torch.tensor([0]), keys, torch.tensor([0.0], dtype=torch.float64))
     return {"together": _as_json(together), "alone": _as_json(alone), "permuted": _as_json(permuted[::-1]),
@@ -74,10 +107,10 @@ def test_interpreted_kernel_matches_host_and_is_batch_invariant() -> None:
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # bitwise: a row's result never depends on its batch, its index or its neighbours
     assert got["together"] == got["alone"] == got["permuted"] == got["shifted"]
-    x = _logits(len(PARAMS), 20000)
+    x = _logits(len(PARAMS), VOCAB)
     host = _as_json([sample_row(x[i].numpy(), p, s, pos) for i, (p, s, pos) in enumerate(_specs())])
     for i, (dev, ref) in enumerate(zip(got["together"], host)):
-        assert dev[0] == ref[0], f"row {i}: token {dev[0]} != host {ref[0]}"
+        assert dev[0] == ref[0], f"row {i} {PARAMS[i]}: token {dev[0]} != host {ref[0]}"
         assert abs(dev[1] - ref[1]) <= 4 * np.spacing(np.float32(abs(ref[1]))), (i, dev[1], ref[1])
         if ref[2] is None:
             assert dev[2] is None, i
@@ -85,8 +118,42 @@ def test_interpreted_kernel_matches_host_and_is_batch_invariant() -> None:
             assert [k for k, _ in dev[2]] == [k for k, _ in ref[2]], i
             assert all(abs(a[1] - b[1]) <= 1e-5 for a, b in zip(dev[2], ref[2])), i
     assert host[4][0] == 100  # the greedy tie went to the first id
+    assert 300 <= host[8][0] < 304  # top-p kept exactly the 4 lowest ids of the 8 tied
+    assert host[9][0] == 7 and host[10][0] == int(x[10].argmax()) and host[11][0] == int(x[11].argmax())
+    assert host[13][0] in (3, 9)
+    assert host[18][0] == int(x[18].argmax())
     x64 = x[0].double()
     assert abs(got["lse0"] - torch.logsumexp(x64, 0).item()) < 1e-9
+
+
+def test_host_filters_follow_the_specification() -> None:
+    """The host masks on the adversarial rows, checked against a direct reading of the specification."""
+    from engine.sampling import keep_mask
+
+    x = _logits(len(PARAMS), VOCAB).double().numpy()
+    for i, (t, k, p, m, _) in enumerate(PARAMS):
+        if t == 0:
+            continue
+        s = x[i] / t
+        order = sorted(range(VOCAB), key=lambda j: (-s[j], j))
+        topk = order[: k if 0 < k < VOCAB else VOCAB]
+        w = np.exp(s - s.max())
+        total = sum(w[j] for j in topk)
+        kept, before = [], 0.0
+        for j in topk:
+            if p < 1 and not before < p * total:
+                break
+            kept.append(j)
+            before += w[j]
+        if m > 0:
+            kept = [j for j in kept if s[j] - s.max() >= np.log(m)]
+        assert sorted(np.flatnonzero(keep_mask(s, k, p, m)).tolist()) == sorted(kept), f"row {i} {PARAMS[i]}"
+
+
+def test_min_p_is_validated() -> None:
+    for bad in (-0.1, 1.5):
+        with pytest.raises(ValueError, match=r"min_p: must be in \[0, 1\]"):
+            SamplingParams(min_p=bad).validate()
 
 
 @pytest.mark.gpu
