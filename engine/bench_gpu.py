@@ -1079,9 +1079,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
         # untimed warm-up on the same prompts (a few tokens each): Triton compiles this mode's kernels for
         # these prompt shapes here, not inside the timed run (the first mode timed at main 7c6ca43 was
         # 2.7x slower than a warm run for that reason)
-        warm = [llm.core.add_request(f"{tag}-{name}-warm-{i}", p, SamplingParams(
-            max_tokens=WARMUP_TOKENS, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
-            for i, p in enumerate(prompts)]
+        warm = [llm.core.add_request(f"{tag}-{name}-warm-{i}", p, mix_params(
+            ctx.args.sampling, WARMUP_TOKENS, i in det_ids, i)) for i, p in enumerate(prompts)]
         while any(not s.is_finished for s in warm) or llm.core.has_work():
             llm.core.step()
         del warm
@@ -1119,6 +1118,22 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
     return modes
 
 
+# --sampling presets of the compare_modes sections: what each request asks of the sampler
+SAMPLING_PRESETS: dict[str, dict[str, Any]] = {
+    "greedy": {"temperature": 0.0}, "temperature": {"temperature": 0.8},
+    "top_p": {"temperature": 0.8, "top_p": 0.95}, "top_k": {"temperature": 0.8, "top_k": 50},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
+}
+
+
+def mix_params(preset: str, max_tokens: int, deterministic: bool, seed: int) -> Any:
+    """A mix request's SamplingParams under the --sampling preset."""
+    from engine.sampling import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, deterministic=deterministic, seed=seed,
+                          **SAMPLING_PRESETS[preset])
+
+
 def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list[int], det_ids: set[int],
                     cap_s: float, tag: str) -> dict[str, Any]:
     """One timed run of the requests on a warm engine: tok/s, p50/p99 latency, this run's engine stats."""
@@ -1128,9 +1143,8 @@ def _timed_mode_run(ctx: Ctx, llm: Any, prompts: list[list[int]], out_lens: list
         return {k: v for k, v in vars(llm.core.stats()).items() if isinstance(v, (int, float))}
 
     before = counters()
-    seqs = [llm.core.add_request(f"{tag}-{i}", p, SamplingParams(
-        max_tokens=m, temperature=0.0, ignore_eos=True, deterministic=i in det_ids, seed=i))
-        for i, (p, m) in enumerate(zip(prompts, out_lens))]
+    seqs = [llm.core.add_request(f"{tag}-{i}", p, mix_params(ctx.args.sampling, m, i in det_ids, i))
+            for i, (p, m) in enumerate(zip(prompts, out_lens))]
     cap = ctx.cap(cap_s)
     totals = llm.core.totals
     walls: dict[str, list[float]] = {}  # step kind -> [steps, host wall seconds, of which waiting on events]
@@ -1567,6 +1581,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--engine-cap-s", type=float, default=60.0)
     p.add_argument("--hf-cb-cap-s", type=float, default=90.0, help="transformers continuous batching, timed part")
     p.add_argument("--gguf", default="default", help="SmolLM2 model for the smollm2 sections")
+    p.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING_PRESETS),
+                   help="compare_modes sections: the sampling parameters of every request")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--dvr-decode-attention", default="auto",
@@ -1729,7 +1745,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.chunk_programs is not None:
         triton_canonical_decode.CHUNK_PROGRAMS = args.chunk_programs
-    result["plan"] = {"sections": args.section_names, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
+    result["plan"] = {"sections": args.section_names, "sampling": args.sampling, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
                       "decode_cublaslt_min_rows": cublaslt_min_rows(args),
                       "fuse_rope_canonical": triton_paged.FUSE_ROPE_CANONICAL,

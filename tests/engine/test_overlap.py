@@ -282,9 +282,10 @@ def test_decode_launched_before_verify_samples_are_read_keeps_every_bit(make_moc
     assert all(s.stale_inflight == 0 and s.inflight == 0 for s in core.seqs.values())
 
 
-def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_rows(make_mock_llm) -> None:
-    """verify_early_decode off (the CPU default; on for CUDA), overlap off (the CPU default), or a pass holding a top-k /
-    top-p row (host sampler): the verify samples are read first; the outputs are the same either way."""
+def test_no_early_decode_by_default_without_overlap_and_filtered_rows_decode_early(make_mock_llm) -> None:
+    """verify_early_decode off (the CPU default; on for CUDA) or overlap off (the CPU default): the verify samples
+    are read first. A pass holding top-k rows is sampled like any other (every parameter is on the device), so
+    it launches the early decode step too. The outputs are the same either way."""
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
     assert default.config.verify_early_decode is False
@@ -297,7 +298,7 @@ def test_no_early_decode_by_default_without_overlap_or_with_host_sampled_verify_
     filtered = [replace(p, top_k=5, temperature=1.0) for p in _plain(params)]
     on = make_mock_llm(overlap=True, verify_early_decode=True, verify_decode_rows=4)
     got = on.generate(prompts, filtered)
-    assert on.core.stats().early_decode_steps == 0 and on.core.stats().verify_passes > 0
+    assert on.core.stats().early_decode_steps > 0 and on.core.stats().verify_passes > 0
     off_filtered = make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4)
     assert_same(off_filtered.generate(prompts, filtered), got)
 

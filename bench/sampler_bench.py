@@ -1,0 +1,139 @@
+"""What sampling parameters cost on the device: the sampler alone, and the real SmolLM2 engine end to end.
+
+    python bench/sampler_bench.py --out DIR [--gguf PATH] [--requests 256] [--tokens 128]
+
+1. Kernel: `engine.sampling.sample_rows` on random float32 logits [rows, vocab] for SmolLM2's and Llama-3's
+   vocabularies, per preset (plain temperature, top_p=0.95, top_k=50, min_p=0.05, logprobs=5, a mixed batch
+   with every row its own parameters): median milliseconds per call over repeated calls.
+2. Engine: `LLM(EngineConfig(model=GGUF))` with its defaults (on CUDA: graphs, overlap, device-sized
+   budgets), REQUESTS prompts x TOKENS output tokens (ignore_eos), warm, per preset and mode
+   (nondeterministic, dvr with every request deterministic): output tokens per second, and each preset's ratio
+   to plain temperature sampling.
+Writes DIR/sampler-bench.json (with the command, device and date).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "temperature": {"temperature": 0.8},
+    "top_p": {"temperature": 0.8, "top_p": 0.95},
+    "top_k": {"temperature": 0.8, "top_k": 50},
+    "min_p": {"temperature": 0.8, "min_p": 0.05},
+    "logprobs": {"temperature": 0.8, "logprobs": 5},
+}
+MIXED = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.95},
+         {"temperature": 1.0, "top_k": 50}, {"temperature": 0.7, "min_p": 0.05},
+         {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, {"temperature": 0.8, "logprobs": 3}]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernel_section(device: str, rows: int, repeats: int) -> dict[str, Any]:
+    from engine.sampling import SamplingParams, sample_rows
+
+    out: dict[str, Any] = {}
+    for vocab in (49152, 128256):
+        x = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(0)).mul_(3).to(device)
+        entry: dict[str, Any] = {}
+        presets = {**PRESETS, "mixed": None}
+        for name, kw in presets.items():
+            specs = [(SamplingParams(**(kw if kw is not None else MIXED[i % len(MIXED)])), 1000 + i, 50 + i)
+                     for i in range(rows)]
+            sample_rows(x, specs)  # compile
+            times = []
+            for _ in range(repeats):
+                _sync()
+                t0 = time.perf_counter()
+                sample_rows(x, specs)
+                _sync()
+                times.append(time.perf_counter() - t0)
+            entry[name] = {"median_ms": 1e3 * statistics.median(times), "min_ms": 1e3 * min(times)}
+        out[str(vocab)] = entry
+        print(f"kernel vocab {vocab}: " + ", ".join(f"{k} {v['median_ms']:.3f} ms" for k, v in entry.items()),
+              flush=True)
+    return out
+
+
+def engine_section(gguf: str, device: str, n_req: int, n_tok: int) -> dict[str, Any]:
+    from engine.config import EngineConfig
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    result: dict[str, Any] = {}
+    for mode, det in (("nondeterministic", False), ("dvr", True)):
+        llm = LLM(EngineConfig(model=gguf, device=device, mode="dvr" if det else "nondeterministic"))
+        tok = llm.tokenizer
+        prompts = [tok.encode(f"Request {i}: write a short story about a {['cat', 'ship', 'tree', 'city'][i % 4]} "
+                              f"and the number {i}.") for i in range(n_req)]
+        entry: dict[str, Any] = {"graphs": llm.core.runner.graphs_status,
+                                 "max_num_seqs": llm.core.config.max_num_seqs}
+        for name, kw in PRESETS.items():
+            def run(tokens: int, tag: str) -> float:
+                seqs = [llm.core.add_request(f"{tag}-{i}", p, SamplingParams(
+                    max_tokens=tokens, ignore_eos=True, deterministic=det, seed=i, **kw))
+                    for i, p in enumerate(prompts)]
+                _sync()
+                t0 = time.perf_counter()
+                while llm.core.has_work():
+                    llm.core.step()
+                _sync()
+                assert all(s.is_finished for s in seqs)
+                return time.perf_counter() - t0
+            run(8, f"{mode}-{name}-warm")
+            secs = min(run(n_tok, f"{mode}-{name}-r{r}") for r in range(2))
+            entry[name] = {"seconds": secs, "output_tok_per_s": n_req * n_tok / secs}
+        base = entry["temperature"]["output_tok_per_s"]
+        for name in PRESETS:
+            entry[name]["ratio_to_temperature"] = entry[name]["output_tok_per_s"] / base
+        print(f"engine {mode}: " + ", ".join(f"{k} {entry[k]['output_tok_per_s']:.0f} tok/s "
+                                             f"({entry[k]['ratio_to_temperature']:.3f})" for k in PRESETS), flush=True)
+        result[mode] = entry
+        del llm
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True)
+    p.add_argument("--gguf", default="default", help="the SmolLM2 model (a .gguf file, a folder or 'default')")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--requests", type=int, default=256)
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--kernel-rows", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sections", default="kernel,engine")
+    a = p.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result: dict[str, Any] = {
+        "command": "python bench/sampler_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_commit": commit or None,
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else "cpu", "torch": torch.__version__,
+    }
+    sections = a.sections.split(",")
+    if "kernel" in sections:
+        result["kernel"] = kernel_section(a.device, a.kernel_rows, a.repeats)
+    if "engine" in sections:
+        result["engine"] = engine_section(a.gguf, a.device, a.requests, a.tokens)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sampler-bench.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
