@@ -2,7 +2,7 @@
 
 Every subcommand takes ``--data-dir`` and ``--database-url`` (also ``VERBATIM_DATA_DIR`` /
 ``VERBATIM_DATABASE_URL``); ``serve`` also ``--host`` / ``--port``. The environment is read once,
-here. Later issues add subcommands (``replay``, ``export``) by appending to ``SUBCOMMANDS``.
+here. Other parts contribute subcommands through ``plugin_commands`` (``replay``, ``export``, …).
 """
 
 from __future__ import annotations

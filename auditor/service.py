@@ -33,7 +33,7 @@ _ENGINE_TO_API = {"prompt_token_ids": "prompt", "request_id": None}
 
 
 class Engine(Protocol):
-    """The part of ``engine.AsyncEngine`` the service uses (docs/INTERFACES.md)."""
+    """The part of ``engine.AsyncEngine`` the service uses (docs/engine.md)."""
 
     tokenizer: Any
     model_info: Any

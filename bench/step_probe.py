@@ -1,5 +1,5 @@
 """Where the 8B decode step and the verify pass spend their time, and what would hide the verify pass
-(H200 diagnostic, seventh session).
+(H200 diagnostic).
 
     python bench/step_probe.py --out DIR [--context 256] [--reps 30]
 
@@ -10,11 +10,11 @@
    between kernels = replay time - summed kernel time).
 3. Concurrency: the verify graph on a side stream while the main stream replays k decode steps, against
    the same work one after the other (k = 1, 2, 3).
-4. With --split-sweep (eighth session; run in the ninth, bench/results/2026-12-02-s9/at-1801466): the captured decode step at batch 16 / 32 / 64 for
+4. With --split-sweep: the captured decode step at batch 16 / 32 / 64 for
    each split-KV split size 64 / 128 / 256 / 512, and for the default split at other warps / pipeline
    stages of the split kernel (`triton_paged.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES`), cuBLASLt from the
    engine's default row count as the engine captures it, with the split kernel's device time: whether
-   the split table and launch leave time at the batches issue 5's throughput runs at.
+   the split table and launch leave time at the batches of the core throughput runs.
    `--only-split-sweep` skips 1-3.
 Writes step-probe.json to DIR.
 """
@@ -36,7 +36,7 @@ from engine.bench_gpu import (  # noqa: E402
 
 
 # M = 1 / 64: decode; 256: the 8 x 32 verify pass; 320 / 384: a verify pass carrying a decode step's 64 / 128
-# rows beside its 256 tokens (one weight read for both; not built: what it would cost, eighth session)
+# rows beside its 256 tokens (one weight read for both)
 GEMM_ROWS = (1, 64, 256, 320, 384)
 
 

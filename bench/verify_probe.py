@@ -1,10 +1,10 @@
 """What the canonical decode kernel's grid costs a verify pass's carried rows and a DVR decode step, on the
-synthetic 8B (H200 diagnostic, twelfth session).
+synthetic 8B (H200 diagnostic).
 
     python bench/verify_probe.py --out DIR [--context 256] [--reps 30] [--programs 0,2048,4096]
 
 For each value of triton_canonical_decode.CHUNK_PROGRAMS in --programs (0: one program per key chunk of the
-table, the kernel before the twelfth session), captured as the engine captures them:
+table), captured as the engine captures them:
 - the G x W + D verify graph (G = 8, W = 32, D = 64, tables as wide as the served context, 8192 keys), its 8
   verify rows and 64 carried rows at --context keys; and once the same pass with D = 0;
 - the decode graph of 96 rows at --context keys in the first family (tables of GRAPH_MAX_LEN keys), every row

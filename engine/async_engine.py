@@ -1,4 +1,4 @@
-"""AsyncEngine: the service's engine (docs/INTERFACES.md). One background thread owns the EngineCore
+"""AsyncEngine: the service's engine (docs/engine.md). One background thread owns the EngineCore
 and steps it; the event loop talks to it only through a command inbox and per-request asyncio queues.
 
     event loop                         engine thread

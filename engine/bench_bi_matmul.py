@@ -23,8 +23,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
           "lm_head": (128256, 4096)}
 MS = (1, 16, 64, 128, 256, 512, 2048, 4096)
 CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
-    (128, 32, 64, 4, 3),  # the second session's narrow-N tile
-    (128, 128, 64, 8, 3),  # the second session's wide-N tile (today's fixed fallback)
+    (128, 32, 64, 4, 3),  # a narrow-N tile
+    (128, 128, 64, 8, 3),  # a wide-N tile (the fixed fallback, _FIXED)
     (64, 32, 64, 4, 4),
     (64, 64, 64, 4, 4),
     (64, 64, 128, 4, 3),

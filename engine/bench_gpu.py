@@ -63,15 +63,15 @@ SECTION_PRESETS: dict[str, tuple[str, ...]] = {
     "sweep": ("wg_sweep",),                                                     # ~4 min
     "bi": ("bi_breakdown",),                                                    # ~1 min
     "long": ("compare_modes_synthetic_long",),                                  # ~6 min
-    # issue 6's whole comparison in one run (--compare-modes): ~20 min, more than one device call, which the
-    # H200 sessions therefore run as the presets modes, long and sweep (bench/h200.sh)
+    # the whole mode comparison in one run (--compare-modes): ~20 min, more than one 10-minute device call,
+    # so a device call runs it as the presets modes, long and sweep
     "compare": ("smollm2_rollback", "compare_modes", "compare_modes_synthetic", "compare_modes_synthetic_long",
                 "wg_sweep"),
     "all": ALL_SECTIONS,
 }
 BLOCK_SIZE = EngineConfig.block_size  # the engine's default: the bench sizes num_kv_blocks in it too
 # Rollbacks per committed token on SmolLM2 at W=32 (greedy, canonical DVR decode rows, the CUDA default),
-# from bench/results/2026-11-29-s3/gpu-bench-rollback.json (H200, 256 prompts: W32-canonical, 0 rollbacks):
+# from bench/results/2026-11-29-h200/gpu-bench-rollback.json (H200, 256 prompts: W32-canonical, 0 rollbacks):
 # the injected rate when this run did not measure it.
 COMMITTED_SMOLLM2_FAULT_RATE = 0.0
 
@@ -1077,8 +1077,8 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
         n_det = round(share * len(prompts))
         det_ids = set(range(0, len(prompts), max(1, round(len(prompts) / n_det)))[:n_det]) if n_det else set()
         # untimed warm-up on the same prompts (a few tokens each): Triton compiles this mode's kernels for
-        # these prompt shapes here, not inside the timed run (the first mode timed at main 7c6ca43 was
-        # 2.7x slower than a warm run for that reason)
+        # these prompt shapes here, not inside the timed run (a cold first mode runs about 2.7x slower than
+        # a warm one)
         warm = [llm.core.add_request(f"{tag}-{name}-warm-{i}", p, mix_params(
             ctx.args.sampling, WARMUP_TOKENS, i in det_ids, i)) for i, p in enumerate(prompts)]
         while any(not s.is_finished for s in warm) or llm.core.has_work():

@@ -8,8 +8,8 @@ import torch
 
 DEFAULT_MODEL = "default"
 # decode graphs of at least this many padded rows use cuBLASLt by default (CUDA graphs on): on the H200 the 8B
-# step at batch 64 replayed 2.8 % (engine A/B, bench/results/2026-12-02-s8) to 5 % (step probe, 2026-12-02-s7)
-# faster with it, batch 1 slower; batch 16 was not measured apart, so the cut sits between 16 and 64
+# step at batch 64 replays faster with it and batch 1 slower; batch 16 is not measured apart, so the cut sits
+# between 16 and 64
 DEFAULT_DECODE_CUBLASLT_MIN_ROWS = 32
 
 
@@ -22,10 +22,10 @@ def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: boo
 
 
 # decode rows a dvr verify pass carries by default on the triton backend (CUDA): a batch-64 decode step beside
-# the G x W verify tokens (README, eleventh session)
+# the G x W verify tokens
 DEFAULT_VERIFY_DECODE_ROWS = 64
 # the smallest canonical prefill pass on CUDA (at most max_num_batched_tokens): short deterministic prompts pack
-# into 2048-token passes instead of padding the last pass of a budget-sized pair (README, sixteenth session)
+# into 2048-token passes instead of padding the last pass of a budget-sized pair
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 
 
@@ -84,10 +84,9 @@ class EngineConfig:
                                         # max(this, next pow2 >= prompt) tokens (packed, dummy-padded), at most
                                         # max_num_batched_tokens; None: DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS
                                         # (2048, at most the budget) on CUDA, 64 on the CPU. Part of the runtime
-                                        # identity. 2048 against the 8192 budget on the H200 (packed verify
-                                        # passes, one machine): dvr 100 % 0.842 / 0.841 against 0.812 / 0.838 on
-                                        # the short / matched mix; it costs dvr 50 % and the 1k set about one
-                                        # point (README, sixteenth session; the budget was the default before).
+                                        # identity. On the H200, 2048 against the 8192 budget raises dvr 100 %
+                                        # on the short / matched mix and costs dvr 50 % and the 1k set about
+                                        # one point.
     max_model_len: int | None = None    # defaults to the model's context length
     attention_backend: str = "auto"     # auto (triton on CUDA, torch on the CPU) / torch / triton / flash
     cuda_graphs: bool | None = None     # CUDA only: decode steps per padded batch size, and the verify pass
@@ -100,7 +99,7 @@ class EngineConfig:
                                         # "canonical_step_short" = canonical_step in the decode graphs of rows
                                         # up to GRAPH_MAX_LEN (4096) tokens, canonical past them and in eager
                                         # steps (the canonical kernel on every long row costs more than the
-                                        # second stream saves: H200, README); auto: canonical_step_short on
+                                        # second stream saves on the H200); auto: canonical_step_short on
                                         # CUDA, split on the CPU (whose fp32 fast path already agrees with the
                                         # verifier). Never changes committed bits.
     dvr_lookahead: int | None = None    # DVR rows waiting for their verify pass keep decoding up to this many
@@ -118,7 +117,7 @@ class EngineConfig:
                                         # this many padded rows capture their GEMMs with cuBLASLt, not cuBLAS
                                         # (0: never). None: DEFAULT_DECODE_CUBLASLT_MIN_ROWS with CUDA graphs,
                                         # else 0. On the H200 it replayed the 8B step at batch 64 2.8-5 %
-                                        # faster and batch 1 slower (README). Fast path only: prefill and verify keep
+                                        # faster and batch 1 slower. Fast path only: prefill and verify keep
                                         # cuBLAS, so committed bits never change (rollbacks may).
     verify_decode_rows: int | None = None  # D: every verify pass also carries one decode step of up to D running
                                         # rows that are not in it (the rows a decode step would take now), so the
@@ -132,9 +131,8 @@ class EngineConfig:
                                         # launches its samples and the next decode step before reading them, so the
                                         # GPU does not idle while the host applies them. The pass's rows with
                                         # run-ahead candidates past their windows decode on speculatively (a rollback
-                                        # voids that token); the others sit the step out. On the H200 dvr 100 % rose
-                                        # 2.2 / 0.4 points on the short / matched mix (README, fourteenth session).
-                                        # Never changes a committed bit.
+                                        # voids that token); the others sit the step out. On the H200 it raises
+                                        # dvr 100 % on the short and matched mixes. Never changes a committed bit.
     chained_verify: bool | None = None  # None: on for CUDA, off on the CPU. With overlap: a verify pass that is due
                                         # while a decode step is in flight is planned before that step is read and
                                         # launched behind it: the rows it carries, and windows that end at a token in
@@ -142,9 +140,8 @@ class EngineConfig:
                                         # window's end does not depend on that token's value), so the GPU does not
                                         # idle while the host reads the step and plans the pass. With fault injection
                                         # its windows hold known candidates only. Where KV is short the pass is
-                                        # planned after the read as before. H200 (one machine): dvr 100 % 0.843 ->
-                                        # 0.849 / 0.831 -> 0.848, dvr 50 % 0.907 -> 0.919 / 0.914 -> 0.924 on the short
-                                        # / matched mix (README, seventeenth session). Never changes a committed bit.
+                                        # planned after the read. On the H200 it raises dvr 50 % and 100 % on the
+                                        # short and matched mixes by about 1 point. Never changes a committed bit.
     verify_packing: str | None = None   # None: "packed" on CUDA, "padded" on the CPU. "padded": every window of a
                                         # verify pass takes W token slots (a window that ends at a stop or max_tokens is
                                         # padded with dummies); "packed": windows sit back to back, so a pass takes as
@@ -152,18 +149,16 @@ class EngineConfig:
                                         # the rest. The pass keeps its token count (every GEMM its shape) and each query
                                         # its absolutely aligned attention tiles, so a window's bits do not depend on
                                         # where it sits: never changes a committed bit (tests compare the two bit for
-                                        # bit, on the H200 too; not part of the runtime identity). H200: 27 -> 23 passes
-                                        # on the short mix, dvr 100 % +0.4 / +0.7 points on the short / matched mix
-                                        # (README, sixteenth session).
+                                        # bit, on the H200 too; not part of the runtime identity). On the H200 it
+                                        # takes fewer passes on the short mix and raises dvr 100 % on both mixes.
     verify_max_windows: int | None = None  # packed: windows per verify pass (None: 2G); padded: always G
     verify_trigger: str | None = None   # when a verify pass is due because enough windows are ready: "tokens" = G*W
                                         # tokens of windows or verify_max_windows windows (a full packed pass);
                                         # "windows" = G windows (the padded rule; a packed pass then still takes every
                                         # ready window that fits). None: "tokens" when packed, "windows" when padded
                                         # (where the two are the same rule). The H200 figures of packed passes are at
-                                        # "tokens", whose short-mix run took 95 decode steps against padded's 86
-                                        # (levers15 JSON, step_wall_s); "windows" is not GPU-measured (README, sixteenth
-                                        # session). Never changes a committed bit.
+                                        # "tokens", which takes more decode steps on the short mix than padded passes;
+                                        # "windows" is not measured on a GPU. Never changes a committed bit.
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)

@@ -15,8 +15,8 @@ allocation per step. Padding rows feed token 0 at position 0, write their K/V to
 finite and touch no live sequence. Graphs captured with `canonical=True` (DVR mode with
 dvr_decode_attention="canonical") pass the canonical buffer as AttentionMetadata.canonical_rows; such a
 family also captures each size without it (`plain`), replayed for steps with no canonical row, so that a
-DVR engine's steps without deterministic rows launch no canonical branch (measured on the H200 at aa77c3f:
-dvr with 0 deterministic requests ran 2.5 % slower than nondeterministic on the same requests).
+DVR engine's steps without deterministic rows launch no canonical branch (with the canonical branch in every
+step, dvr with 0 deterministic requests ran 2.5 % slower than nondeterministic on the H200).
 
 Requires an attention backend whose decode `plan` needs no host sync (TritonPagedAttention, or the
 batch_invariant mode's BatchInvariantAttention). Rows whose block

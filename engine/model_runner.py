@@ -248,9 +248,9 @@ class ModelRunner:
         try:
             # the whole served context: unlike the split-KV decode grid, the verify kernel's grid does not
             # grow with the block-table width (rows x query tiles x heads; each program's key loop ends at
-            # its row's seq_len), so one graph serves short and long rows at the same cost (while it was
-            # capped at GRAPH_MAX_LEN, the 4k/1k set's verify passes all ran eagerly: 31.6 ms a pass, 15.0
-            # with the graph)
+            # its row's seq_len), so one graph serves short and long rows at the same cost (a graph capped at
+            # GRAPH_MAX_LEN would leave the 4k/1k set's verify passes eager: 31.6 ms a pass, 15.0 with the
+            # graph)
             packed = self.config.verify_packing == "packed"
             graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, self.max_model_len,
                                 self.config.verify_decode_rows,

@@ -1,8 +1,7 @@
 """``export``, ``verify-bundle``, ``purge`` and ``retention`` subcommands.
 
-``COMMANDS`` has the shape of ``auditor.cli.SUBCOMMANDS`` (name, help, configure), so
-``SUBCOMMANDS += REPORT_COMMANDS`` there mounts them under ``python -m auditor``; until then they
-also run as ``python -m auditor.reports …``.
+``COMMANDS`` has the shape of ``auditor.cli.SUBCOMMANDS`` (name, help, configure); ``auditor.cli.plugin_commands``
+mounts them under ``python -m auditor``, and they also run as ``python -m auditor.reports …``.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Route modules. ``default_route_handlers()`` is what ``create_app`` mounts; later issues (replay,
-reports, UI) add their controllers to this list or pass extra ones to ``create_app(routes=...)``."""
+"""Route modules. ``default_route_handlers()`` is what ``create_app`` mounts (the API, replay, reports and
+the console); extensions pass extra controllers to ``create_app(routes=...)``."""
 
 from __future__ import annotations
 

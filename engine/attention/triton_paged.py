@@ -59,9 +59,8 @@ from engine.attention.torch_backend import write_kv
 
 # Canonical tile configuration of the no-split kernel. Changing any of these changes committed bits:
 # it is part of the runtime identity (see `KERNEL_ID`).
-# The query tile: 16 rows since the eleventh session (64 before). A canonical decode row packs its GQA group
-# into one tile, so at 64 rows 60 of them were dead MMA rows (Llama-3.1-8B); on the H200 a 16-row tile ran
-# dvr 10 % at 0.977 / 0.974 of nondeterministic against 0.953 / 0.935 at 64 (README, eleventh session).
+# The query tile: 16 rows. A canonical decode row packs its GQA group into one tile, so at 64 rows 60 of them
+# would be dead MMA rows (Llama-3.1-8B); on the H200 a 16-row tile runs dvr and batch_invariant faster than 64.
 DEFAULT_QUERY_TILE = 16
 PREFILL_BLOCK_M = DEFAULT_QUERY_TILE
 PREFILL_BLOCK_N = 64
@@ -74,9 +73,9 @@ PREFILL_CHUNK = 256  # keys per absolute chunk, reduced alone then merged in ord
 # nondeterministic), or None for PREFILL_BLOCK_M. Only the verifier's kernels (verify passes, canonical decode)
 # must share one tile: no committed bit needs a prompt's prefill to equal a verify pass over the same positions
 # (DVR prompts, their rebuilds and their replays are all prefill passes), while mode batch_invariant (whose
-# decode must equal its prefill) always keeps PREFILL_BLOCK_M. An experiment switch (eleventh session, not run
-# on a GPU, off): the 16-row tile seemed to cost long prompts' prefill (README); 64 is the tile the prefill
-# kernel ran with through the tenth session. `set_prefill_pass_tile`, bench --prefill-pass-tile.
+# decode must equal its prefill) always keeps PREFILL_BLOCK_M. An experiment switch (off, not run on a GPU):
+# the 16-row tile may cost long prompts' prefill, and 64 rows may suit it better. `set_prefill_pass_tile`,
+# bench --prefill-pass-tile.
 PREFILL_PASS_BLOCK_M: int | None = None
 
 
@@ -110,8 +109,8 @@ def set_prefill_pass_tile(block_m: int | None) -> str:
 def set_query_tile(block_m: int) -> str:
     """Make the canonical kernels' query tile `block_m` rows (PREFILL_BLOCK_M) for this process, and KERNEL_ID
     with it: prefill, verify and canonical decode change their committed bits together, so transcripts made
-    under one tile replay only under the same one (the fingerprint names it). DEFAULT_QUERY_TILE (16) since
-    the eleventh session: a canonical decode row packs its GQA group into one tile, so a 16-row tile carries
+    under one tile replay only under the same one (the fingerprint names it). DEFAULT_QUERY_TILE is 16: a
+    canonical decode row packs its GQA group into one tile, so a 16-row tile carries
     12 dead MMA rows instead of 64's 60 (Llama-3.1-8B). Call it before any kernel runs (decode graphs
     capture the tile); the packed kernel's per-device check is keyed by the tile. Returns the new
     KERNEL_ID."""
@@ -131,17 +130,16 @@ DECODE_SPLIT_SIZE = 512  # keys per split (multiple of DECODE_BLOCK_N)
 # the backend's default split size by padded batch (decode_split_for_rows): (at most this many rows, split)
 DECODE_SPLITS_BY_ROWS = ((2, 64), (8, 128), (32, 256))
 # RoPE and the K/V store inside the canonical (GQA-packed) decode kernel too, for decode steps with canonical
-# rows (DVR) and every decode step of mode="batch_invariant" (forward_rope). Written in the ninth session,
-# tested on the CPU (interpreter, bitwise against rope_write_kv + the kernel) and on the H200 (tenth session:
-# the gpu tests with it on and off); on by default since. The gpu tests and the bench
+# rows (DVR) and every decode step of mode="batch_invariant" (forward_rope). Tested on the CPU (interpreter,
+# bitwise against rope_write_kv + the kernel) and on the H200 (the gpu tests with it on and off). The gpu tests
+# and the bench
 # (--fuse-rope-canonical) switch it per run. With canonical rows the committed bits depend on it only through
 # the K/V it stores, which the tests compare.
 FUSE_ROPE_CANONICAL = True
 # A verify pass's carried decode rows (AttentionMetadata.carried_rows) on the side stream, their canonical
 # decode kernel beside the verify rows' prefill kernel (disjoint slices of one output; a CUDA graph captures
 # the fork and join as two branches, as for a decode step's canonical rows). The same kernels on the same
-# inputs: the same bits. Written in the eleventh session after the device time was spent, off, not run on a
-# GPU; bench --concurrent-carried on|off.
+# inputs: the same bits. Off, not run on a GPU; bench --concurrent-carried on|off.
 CONCURRENT_CARRIED = False
 _LOG2E = 1.4426950408889634
 

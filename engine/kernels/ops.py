@@ -48,7 +48,7 @@ from engine.kernels.tiles import rms_norm_rows, rope_rows
 
 Backend = Literal["auto", "triton", "tiles"]
 # TorchOps' row ops on the CPU (named in the runtime fingerprint: a change of formula changes the bits);
-# v2 (thirteenth session): SwiGLU as g / (1 + exp(-g)) instead of F.silu
+# v2: SwiGLU as g / (1 + exp(-g)), whose ops round the same in torch's vector body and scalar tail (F.silu's do not)
 CPU_ROW_OPS_ID = "torch-cpu-rows-v2-silu-exp"
 RowKernels = Literal["auto", "torch"]
 

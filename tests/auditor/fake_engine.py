@@ -1,4 +1,4 @@
-"""A small stand-in for ``engine.AsyncEngine`` with the exact seam of docs/INTERFACES.md.
+"""A small stand-in for ``engine.AsyncEngine`` with the exact seam of docs/engine.md.
 
 Test-only. Tokens are a pure function of (prompt ids, seed, position) when deterministic, random
 otherwise; commits arrive in windows of ``window`` tokens with a short sleep between them so that

@@ -5,7 +5,7 @@ filter and open a real deterministic chat transcript, replay it and see ``match`
 download a report, verify it offline and find the access-log rows.
 
 ``VERBATIM_CONSOLE_SCREENSHOT=docs/console.png`` saves the transcript page (after the replay) as the
-README's screenshot.
+console screenshot of docs/api.md.
 """
 
 from __future__ import annotations

@@ -52,7 +52,7 @@ def test_parse_args_defaults() -> None:
     assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
                                   "compare_modes_synthetic_long"]
     # the default injected rate is the committed SmolLM2 measurement the constant cites
-    rollback = Path(__file__).resolve().parents[2] / "bench/results/2026-11-29-s3/gpu-bench-rollback.json"
+    rollback = Path(__file__).resolve().parents[2] / "bench/results/2026-11-29-h200/gpu-bench-rollback.json"
     w32 = json.loads(rollback.read_text())["smollm2_rollback"]["runs"]["W32-canonical"]
     assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
     assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256", "sharegpt-896x640"]
@@ -75,7 +75,7 @@ def test_parse_args_defaults() -> None:
         bg.parse_args(["--prefill-pass-tile", "8"])
     assert args.verify_decode_rows is None and bg.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
     assert args.concurrent_carried is None and bg.parse_args(["--concurrent-carried", "on"]).concurrent_carried == "on"
-    # the thirteenth session's A/B flags: unset = the engine's defaults, W = 32, every mode
+    # the A/B flags: unset = the engine's defaults, W = 32, every mode
     ab_flags = (args.canonical_prefill_min_tokens, args.verify_early_decode, args.window, args.modes)
     assert ab_flags == (None, None, 32, [])
     ab = bg.parse_args(["--canonical-prefill-min-tokens", "2048", "--verify-early-decode", "on", "--window", "16",
@@ -206,19 +206,18 @@ def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: A
 
 
 def test_summary_reads_committed_results() -> None:
-    """Every committed GPU bench result at any depth (the third session's runs sit in per-commit folders,
-    2026-11-29-s3/at-<commit>/), the older ones included."""
+    """Every committed GPU bench result (bench/results/<date>-<machine>/) gives a summary."""
     results = Path(__file__).resolve().parents[2] / "bench" / "results"
     paths = sorted(results.rglob("gpu-bench-*.json"))
-    assert any("at-0c7caef" in str(p) for p in paths) and len(paths) >= 15, paths
+    assert len(paths) >= 4, paths
     for path in paths:
         assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
 
 
 @pytest.mark.parametrize("name", ["canonical_step_probe.py", "step_probe.py", "verify_probe.py"])
 def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
-    """`bench/canonical_step_probe.py` (the `canonical` stage of bench/h200.sh) and `bench/step_probe.py`
-    (the `step` stage) load on a CPU checkout: their imports from engine.bench_gpu resolve and --help lists
+    """The H200 diagnostics `bench/canonical_step_probe.py`, `bench/step_probe.py` and `bench/verify_probe.py`
+    load on a CPU checkout: their imports from engine.bench_gpu resolve and --help lists
     their options (the timing itself needs CUDA)."""
     import subprocess
     import sys

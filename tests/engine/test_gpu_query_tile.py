@@ -1,12 +1,11 @@
 """The canonical kernels at the query tile that is not the default (triton_paged.set_query_tile), on CUDA.
 
-The tenth session's lever for canonical decode steps: the packed canonical decode kernel holds a GQA group
+The packed canonical decode kernel holds a GQA group
 (4 heads on Llama-3.1-8B) in one query tile of the prefill kernel's shape, so at 64 rows 60 of them are dead
 MMA rows. The tile changes the verifier's bits (KERNEL_ID), and whether the packed kernel gives them is a
 hardware property that `packed_matches_prefill` checks per device. These are the bitwise invariances of
-test_gpu_attention and test_canonical_decode rerun at the other tile, plus that check itself. On the H200
-(eleventh session) they passed at 16 rows (23 passed), and 16 became the default (DEFAULT_QUERY_TILE); they
-now keep the 64-row tile tested, which remains selectable.
+test_gpu_attention and test_canonical_decode rerun at the other tile, plus that check itself: they keep
+the 64-row tile tested, which remains selectable (the default is DEFAULT_QUERY_TILE, 16 rows).
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_carried_attention_on_cuda(dtype: torch.dtype) -> None:
 
 
 def test_concurrent_carried_rows_give_the_same_bits(make_real_llm: Any, smollm2_source: Any) -> None:  # noqa: F811
-    """triton_paged.CONCURRENT_CARRIED (written after the eleventh session's device time, not yet run): the
+    """triton_paged.CONCURRENT_CARRIED (off by default): the
     carried rows' kernel on the side stream, eager and captured in the verify graph, changes no bit."""
     from engine.attention import triton_paged as tp
 

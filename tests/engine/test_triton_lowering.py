@@ -124,7 +124,7 @@ def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
 
 
 def test_kernel_ir_script_hashes_every_attention_kernel_of_this_checkout() -> None:
-    """`python bench/kernel_ir.py` (the README's check that main's kernels are the GPU-run commits')."""
+    """`python bench/kernel_ir.py`: whether two checkouts' kernels are the same code on the GPU."""
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "kernel_ir.py")], capture_output=True, text=True,
                          timeout=600, check=True).stdout.split("\n")
     hashes = dict(line.split() for line in out if line.strip())
