@@ -20,6 +20,10 @@
 #   dvrtests    the gpu tests of DVR bits under load, carried rows and overlap
 #   packtests   the gpu tests of packed verify passes, carried rows and the engine's CUDA graphs
 #   chaintests  the gpu tests of overlap and chained verify passes
+#   tests1 / tests2   every `gpu`-marked test of tests/engine in two device calls (GPU_TESTS_1 lists the
+#               first call's files, the second takes the rest)  -> gpu-pytest-1.txt, gpu-pytest-2.txt
+#   sampler     the sampler alone and the SmolLM2 engine per sampling preset: bench/sampler_bench.py
+#                                                                   -> sampler-bench.json
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -87,6 +91,27 @@ stage_packtests() {
 stage_chaintests() {
   timeout "${CHAINTESTS_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -s \
     tests/engine/test_gpu_overlap.py 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-chained.txt" | tail -12
+}
+
+GPU_TESTS_1="tests/engine/test_sampler_triton.py tests/engine/test_gpu_engine_graphs.py
+  tests/engine/test_gpu_verify_packing.py tests/engine/test_canonical_decode.py tests/engine/test_gpu_dvr.py
+  tests/engine/test_gpu_overlap.py tests/engine/test_gpu_verify_carry.py"
+
+stage_tests1() {
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
+    $GPU_TESTS_1 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-1.txt" | tail -40
+}
+
+stage_tests2() {
+  local skip=()
+  for f in $GPU_TESTS_1; do skip+=(--ignore="$f"); done
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
+    "${skip[@]}" tests/engine 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-2.txt" | tail -40
+}
+
+stage_sampler() {
+  timeout "${SAMPLER_TIMEOUT:-240}" python3 bench/sampler_bench.py --out "$OUT" --gguf "$GGUF" 2>&1 \
+    | grep -v Warn | tail -12
 }
 
 for s in "$@"; do

@@ -77,6 +77,10 @@ def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -
 
     def make(**cfg: Any) -> LLM:
         cfg.setdefault("num_kv_blocks", 130)
+        # the eager engine at a fixed running-sequence limit unless a test asks otherwise (graph tests set
+        # cuda_graphs=True); on CUDA the product defaults are graphs on and a limit sized from the KV budget
+        cfg.setdefault("cuda_graphs", False)
+        cfg.setdefault("max_num_seqs", 32)
         return LLM.from_parts(EngineConfig(**cfg), smollm2_model, smollm2_shape,
                               set(smollm2_source.info.eos_token_ids), smollm2_source.tokenizer)
 

@@ -56,7 +56,8 @@ def make_llm(source: Any, bi_model: Any) -> Any:
     shape = ModelShape(arch.num_layers, arch.num_kv_heads, arch.head_dim, arch.vocab_size, source.info.max_model_len)
 
     def make(**cfg: Any) -> LLM:
-        config = EngineConfig(device="cuda", dtype="bfloat16", mode=BI, **{"num_kv_blocks": 2000, **cfg})
+        config = EngineConfig(device="cuda", dtype="bfloat16", mode=BI,
+                              **{"num_kv_blocks": 2000, "cuda_graphs": False, "max_num_seqs": 32, **cfg})
         return LLM.from_parts(config, bi_model, shape, set(source.info.eos_token_ids), source.tokenizer)
 
     return make

@@ -36,7 +36,7 @@ def smollm2_model(smollm2_source):
 
 def gpu_config(**cfg: Any) -> EngineConfig:
     """A CUDA bf16 config; names the Triton backend when this EngineConfig accepts it."""
-    cfg = {"device": "cuda", "dtype": "bfloat16", **cfg}
+    cfg = {"device": "cuda", "dtype": "bfloat16", "cuda_graphs": False, "max_num_seqs": 32, **cfg}
     try:
         return EngineConfig(**{"attention_backend": "triton", **cfg})
     except ValueError:

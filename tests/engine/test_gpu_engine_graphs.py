@@ -37,8 +37,8 @@ def smol(gpu_smollm2_source: Any) -> Any:
 
 def make(smol: Any, **cfg: Any) -> LLM:
     source, model, shape = smol
-    config = EngineConfig(device="cuda", dtype="bfloat16", attention_backend="triton", window=16, group=4,
-                          max_num_seqs=16, **cfg)
+    config = EngineConfig(**{"device": "cuda", "dtype": "bfloat16", "attention_backend": "triton", "window": 16,
+                             "group": 4, "max_num_seqs": 16, "cuda_graphs": False, **cfg})
     return LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
 
 
@@ -205,3 +205,49 @@ def test_cublaslt_decode_graphs_keep_committed_bits_and_restore_the_preference(s
     assert [graphs.blas_for(b) for b in (1, 2, 4, 16)] == [None, None, "cublaslt", "cublaslt"]
     assert torch.backends.cuda.preferred_blas_library() == before
     assert_same(run(llm), want)
+
+
+def test_the_defaults_capture_graphs_and_size_the_sequence_limit(smol: Any) -> None:
+    """EngineConfig() on CUDA, as `serve` builds it with no options: decode and verify graphs captured (the verify
+    graph bit-exact with eager), the running-sequence limit sized from the KV budget."""
+    source, model, shape = smol
+    llm = LLM.from_parts(EngineConfig(device="cuda"), model, shape, set(source.info.eos_token_ids), source.tokenizer)
+    config = llm.core.config
+    assert config.cuda_graphs and config.overlap and config.max_num_batched_tokens == 8192
+    assert llm.core.runner.graphs_status.startswith("decode") and "+verify" in llm.core.runner.graphs_status
+    slots = (config.num_kv_blocks - 2) * config.block_size
+    assert config.max_num_seqs == min(256, slots // 1024) == 256, (config.max_num_seqs, slots)
+
+
+FILTERED = [SamplingParams(max_tokens=48, temperature=0.9, top_p=0.95, seed=5, deterministic=True, logprobs=3),
+            SamplingParams(max_tokens=48, temperature=0.8, top_k=50, min_p=0.05, seed=6, deterministic=True),
+            SamplingParams(max_tokens=48, temperature=1.0, top_p=0.9, top_k=40, seed=7, deterministic=True)]
+OTHERS = [dict(temperature=0.0), dict(temperature=0.8), dict(temperature=0.8, top_p=0.95),
+          dict(temperature=1.0, top_k=50), dict(temperature=0.7, min_p=0.05), dict(temperature=0.8, logprobs=2)]
+
+
+def _bits(out: Any) -> list[Any]:
+    return [out.token_ids, out.token_logprobs, out.top_logprobs]
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_sampling_filters_alone_and_among_255_others_keep_every_bit(smol: Any, graphs: bool) -> None:
+    """A deterministic row with top-p / top-k / min-p / top logprobs commits the same token ids and logprobs alone
+    and among 255 other requests with other parameters (deterministic and not), eager and under CUDA graphs."""
+    source, model, shape = smol
+    llm = make(smol, num_kv_blocks=6000, max_num_seqs=256, cuda_graphs=graphs)
+    tok = llm.tokenizer
+    target = [tok.encode(f"Tell me about the planet number {i}.") for i in range(len(FILTERED))]
+    alone = [_bits(o) for o in llm.generate(target, FILTERED)]
+    crowd_prompts = [tok.encode(f"Crowd request {i}: describe a {['river', 'bird', 'clock'][i % 3]}.")
+                     for i in range(256 - len(FILTERED))]
+    crowd_params = [SamplingParams(max_tokens=24 + i % 40, seed=1000 + i, deterministic=i % 3 == 0, **OTHERS[i % 6])
+                    for i in range(len(crowd_prompts))]
+    at = 100
+    prompts = crowd_prompts[:at] + target + crowd_prompts[at:]
+    params = crowd_params[:at] + FILTERED + crowd_params[at:]
+    outs = llm.generate(prompts, params)
+    together = [_bits(o) for o in outs[at:at + len(FILTERED)]]
+    assert together == alone
+    eager = make(smol, num_kv_blocks=6000, max_num_seqs=256, cuda_graphs=False) if graphs else llm
+    assert [_bits(o) for o in eager.generate(target, FILTERED)] == alone

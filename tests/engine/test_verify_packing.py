@@ -32,18 +32,21 @@ def workload() -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def _verify_plans(llm: Any) -> list[list[int]]:
-    """Record each verify plan's window lengths."""
+    """Record each verify plan's window lengths: plans the scheduler makes in `schedule` and, with overlap and
+    chained verify passes (the CUDA default), in `chained_verify`."""
     seen: list[list[int]] = []
     sched = llm.core.scheduler
-    original = sched.schedule
 
-    def schedule() -> Any:
-        plan = original()
-        if plan.kind == StepKind.VERIFY:
-            seen.append([len(r.tokens) for r in plan.verify])
-        return plan
+    def recording(original: Any) -> Any:
+        def plan_and_record() -> Any:
+            plan = original()
+            if plan is not None and plan.kind == StepKind.VERIFY:
+                seen.append([len(r.tokens) for r in plan.verify])
+            return plan
+        return plan_and_record
 
-    sched.schedule = schedule  # type: ignore[method-assign]
+    sched.schedule = recording(sched.schedule)  # type: ignore[method-assign]
+    sched.chained_verify = recording(sched.chained_verify)  # type: ignore[method-assign]
     return seen
 
 
