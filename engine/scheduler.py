@@ -192,7 +192,8 @@ class Scheduler:
         self.step_index = step
         for s in taken:
             self.blocks.ensure(seq_key(s), verify_slots(s))
-        built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index, inflight=not known_only)
+        built = [teacher_row(s) if s.pending_windows
+                 else dvr_row(s, w, index, inflight=not known_only and inflight_is_candidate(s, self.eos_ids))
                  for s, index in picks]
         return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(taken)))
 
@@ -510,8 +511,7 @@ def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, 
     """The tokens of each window `dvr_windows` counts (dvr_row's row length: the input before the window's
     candidates, then them): W for a full window, fewer for one ending at a stop candidate or max_tokens."""
     stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
-    # a token in flight past a stop is dropped
-    n = len(seq.candidates) if stopped or known_only else seq.num_candidates
+    n = seq.num_candidates if not known_only and inflight_is_candidate(seq, eos_ids) else len(seq.candidates)
     left = seq.params.max_tokens - len(seq.tokens)  # outputs still to commit
     sizes: list[int] = []
     while len(sizes) < limit:
@@ -523,6 +523,13 @@ def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, 
         if rest <= cap:                              # this window holds the last candidate
             break
     return sizes
+
+
+def inflight_is_candidate(seq: Sequence, eos_ids: set[int]) -> bool:
+    """The row's token in flight will become its next candidate when read: it is not voided by a rollback
+    (stale_inflight) and does not follow a stop candidate (a token decoded past a stop is dropped)."""
+    stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
+    return not stopped and not seq.stale_inflight
 
 
 def verify_slots(seq: Sequence) -> int:

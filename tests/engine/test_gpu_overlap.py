@@ -23,7 +23,12 @@ def test_deferred_device_samples_equal_sample_rows() -> None:
     assert pending is not None and pending.tokens is not None and pending.tokens.is_cuda
     assert pending.results() == sample_rows(logits, specs)
     assert pending.tokens.tolist() == [r.token for r in pending.results()]
-    assert sample_rows_deferred(logits, [(SamplingParams(temperature=0.9, top_k=5), 1, 1)] * 24) is None
+    # every parameter is sampled on the device: filtered rows and top logprobs stay in flight too
+    filtered = [(SamplingParams(temperature=0.9, top_k=5, top_p=0.9, min_p=0.02, logprobs=3), 1 + i, 1 + i)
+                for i in range(24)]
+    deferred = sample_rows_deferred(logits, filtered)
+    assert deferred.tokens is not None and deferred.tokens.is_cuda
+    assert deferred.results() == sample_rows(logits, filtered)
 
 
 @pytest.mark.parametrize("graphs", [False, True])

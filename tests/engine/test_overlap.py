@@ -421,3 +421,19 @@ def test_prefill_pass_launched_before_the_first_tokens_before_it_are_read(make_m
     assert core._inflight_prefill is None and not core.has_work()
     core.scheduler.blocks.check()
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
+
+
+@pytest.mark.parametrize("fault_rate", [0.0, 0.3])
+def test_chained_verify_with_sampled_stops_keeps_every_bit(make_mock_llm, fault_rate: float) -> None:
+    """Sampled rows (temperature, top-k, top logprobs) stop on sampled EOS candidates: a chained verify pass never
+    counts a token in flight past a stop candidate, or one a rollback voided, as the window's input; the
+    committed bits are those of the overlap-off engine."""
+    prompts, params = det_workload(16, VOCAB, max_tokens=(20, 48), seed=11)
+    sampled = [replace(p, temperature=1.2, top_k=(0, 8)[i % 2], logprobs=(None, 2)[i % 3 == 0], ignore_eos=False)
+               for i, p in enumerate(params)]
+    ref = make_mock_llm(overlap=False, verify_decode_rows=4, fault_rate=fault_rate).generate(prompts, sampled)
+    on = make_mock_llm(overlap=True, chained_verify=True, verify_early_decode=True, verify_decode_rows=4,
+                       fault_rate=fault_rate)
+    assert_same(on.generate(prompts, sampled), ref)
+    assert on.core.stats().chained_verify_passes > 0
+    assert any(o.finish_reason == "stop" for o in ref), [o.finish_reason for o in ref]
