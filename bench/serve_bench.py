@@ -6,6 +6,11 @@ engine alone on the same requests in the same run (issue 25 item 3), and stream 
     python bench/serve_bench.py --model PATH.gguf --quick --out OUT       # any model the engine loads
     python bench/serve_bench.py --model synthetic:tiny:peaked --device cpu --quick --out OUT   # CPU smoke
 
+On the H200 `bash bench/h200.sh serve` runs the synthetic 8B (full preset, --deadline-s 300) and SmolLM2
+(--quick, --deadline-s 180) in one device call. Those durations are estimates, not yet measured on the H200: at
+about 100 req/s saturation a full run holds some 5,000 transcripts, and --deadline-s skips the rate points
+that would not fit (saturation points first, then the rates mode by mode).
+
 --model: synthetic-8b (= synthetic:llama-3.1-8b:peaked, the engine bench's peaked synthetic 8B: no natural
 rollbacks), smollm2 (= default), or anything EngineConfig.model takes. --engine-option KEY=JSON passes an
 EngineConfig field to both the service and the engine-alone run (default: none, the service's defaults).
@@ -58,11 +63,14 @@ concurrency, and gaps are also given in decode steps. The engine alone reports t
 Results (the JSON is rewritten after every phase, so a killed run keeps what it measured):
 <out>/<name>.json, <out>/<name>.png (throughput against offered rate per mode; TTFT and end-to-end latency
 CDFs) and <out>/<name>-streams.png (token arrival time against token index, one stream, both modes).
+A phase that fails is recorded under "errors" (and an engine-alone part under its mode) and the others still
+run; the exit status is 0 only when no phase failed and every check passed.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import copy
 import dataclasses
 import datetime as dt
@@ -80,9 +88,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -216,15 +225,30 @@ def engine_role(plan_path: str, result_path: str) -> int:
     log(f"engine loaded in {result['load_s']} s on {result['device']['name']}; graphs {result['graphs']}")
     sat = result["requests"][:plan["saturation_requests"]]
     for share in plan["det_shares"]:
+        entry = result["modes"][mode_name(share)] = {"deterministic_share": share}
         det = deterministic_flags(len(sat), share)
-        _warm_core(core, sat, det, plan)
-        run = core_run(core, sat, det, plan, f"{mode_name(share)}-core")
-        result["modes"][mode_name(share)] = {"deterministic_share": share, "core": run}
+        with recorded(entry, "core_error"):
+            _warm_core(core, sat, det, plan)
+            run = entry["core"] = core_run(core, sat, det, plan, f"{mode_name(share)}-core")
+            log(f"engine alone {mode_name(share)} (core): {run['output_tok_per_s']:.0f} tok/s, "
+                f"{run['req_per_s']:.1f} req/s, {run['seconds']:.2f} s")
         write_json(out_path, result)
-        log(f"engine alone {mode_name(share)} (core): {run['output_tok_per_s']:.0f} tok/s, "
-            f"{run['req_per_s']:.1f} req/s, {run['seconds']:.2f} s")
-    asyncio.run(_engine_async_phase(engine, plan, result, out_path))
+    with recorded(result, "async_error"):
+        asyncio.run(_engine_async_phase(engine, plan, result, out_path))
+    write_json(out_path, result)
     return 0
+
+
+@contextlib.contextmanager
+def recorded(doc: dict[str, Any], key: str) -> Iterator[None]:
+    """Run the block; an exception is logged with its traceback and recorded under doc[key], and the run
+    goes on (one device call must not lose every figure to one failing part)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - recorded in the result, reported by the exit status
+        traceback.print_exc()
+        doc[key] = f"{type(exc).__name__}: {exc}"[:2000]
+        log(f"{key}: {doc[key][:300]}")
 
 
 def device_info(config: Any) -> dict[str, Any]:
@@ -333,6 +357,7 @@ async def _engine_async_phase(engine: Any, plan: dict[str, Any], result: dict[st
             specs = [(r["prompt"], sampling_params(r, d, plan)) for r, d in zip(sat, det)]
             records = await _async_records(engine, specs, f"{mode_name(share)}-async")
             point = point_metrics(records)
+            point.pop("samples")
             result["modes"][mode_name(share)]["async"] = point
             write_json(out_path, result)
             log(f"engine alone {mode_name(share)} (async): {point['output_tok_per_s']:.0f} tok/s")
@@ -770,7 +795,7 @@ class Run:
         self.work.mkdir(parents=True, exist_ok=True)
         self.sent: list[dict[str, Any]] = []   # every request sent to the service: what its transcript must hold
         self.result: dict[str, Any] = {"environment": environment(args), "model": self.model,
-                                       "engine_options": self.options, "checks": {}}
+                                       "engine_options": self.options, "checks": {}, "errors": {}}
         self.engine: dict[str, Any] = {}
         # the client processes, the database and the API key need no device: made while the engine runs alone
         self.clients = Clients(args.clients)
@@ -803,20 +828,27 @@ class Run:
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "engine", "--plan", str(plan_path),
                "--result", str(result_path)]
         t0 = time.monotonic()
-        done = subprocess.run(cmd, cwd=ROOT, env=child_env(), timeout=max(60.0, self.left() - 60), check=False)
+        try:
+            code: int | str = subprocess.run(cmd, cwd=ROOT, env=child_env(), timeout=max(60.0, self.left() - 90),
+                                             check=False).returncode
+        except subprocess.TimeoutExpired as exc:  # what it measured before the limit is kept
+            code = f"killed after {exc.timeout:.0f} s"
         if not result_path.is_file():
-            raise RuntimeError(f"the engine-alone run wrote nothing (exit {done.returncode})")
+            raise RuntimeError(f"the engine-alone run wrote nothing (exit {code})")
         self.engine = json.loads(result_path.read_text())
         self.result["environment"]["device"] = self.engine["device"]
         self.result["engine_alone"] = {
-            "seconds": round(time.monotonic() - t0, 1), "exit_code": done.returncode,
+            "seconds": round(time.monotonic() - t0, 1), "exit_code": code,
             "load_s": self.engine["load_s"], "engine_config": self.engine["engine_config"],
             "graphs": self.engine["graphs"], "model": self.engine["model"], "modes": self.engine["modes"],
             "streams": self.engine.get("streams")}
         self.result["requests"] = pool_summary(self.engine["requests"], self.args)
+        for key in ("async_error",):
+            if key in self.engine:
+                self.result["engine_alone"][key] = self.engine[key]
         self.write()
-        if done.returncode != 0:
-            raise RuntimeError(f"the engine-alone run failed (exit {done.returncode})")
+        if code != 0:
+            self.result["errors"]["engine_alone"] = f"exit {code}"
 
     def start_service(self) -> None:
         self.key_future.result()
@@ -887,36 +919,47 @@ class Run:
         self.write()
 
     def ramp(self) -> None:
+        """Every mode's saturation point first (the service / engine ratios), then the rates per mode, so
+        that a run short of time loses rate points, never a saturation figure."""
         a = self.args
-        first = mode_name(a.det_shares[0])
-        base = self.engine["modes"][first]["core"]["req_per_s"]
+        measured = [(k, v["core"]["req_per_s"]) for k, v in self.engine["modes"].items() if "core" in v]
+        if not a.rates and not measured:
+            raise RuntimeError("no engine-alone saturation figure to set the rates from; give --rates")
+        first, base = measured[0] if measured else ("", 0.0)
         rates = a.rates or [round(f * base, 2) for f in a.rate_fractions]
         self.result["ramp"] = {"rates_req_per_s": rates, "rate_source": "--rates" if a.rates else
                                f"--rate-fractions {a.rate_fractions} of {first} core saturation {base:.2f} req/s",
-                               "point_s": a.point_s, "itl_tokens": a.itl_tokens, "modes": {}}
-        pool = self.engine["requests"]
+                               "point_s": a.point_s, "itl_tokens": a.itl_tokens,
+                               "modes": {mode_name(s): {"deterministic_share": s, "points": {}} for s in a.det_shares}}
         for share in a.det_shares:
-            name = mode_name(share)
-            points: dict[str, Any] = {}
-            self.result["ramp"]["modes"][name] = {"deterministic_share": share, "points": points}
-            for point, rate in enumerate([*rates, math.inf]):
-                count = a.saturation_requests if math.isinf(rate) else min(
-                    a.max_point_requests, len(pool), max(a.min_point_requests, round(rate * a.point_s)))
-                key = "inf" if math.isinf(rate) else f"{rate:g}"
-                need = 1.5 * (a.point_s if not math.isinf(rate) else 0) + 10 + self.verify_reserve_s(count)
-                if self.left() < need:
-                    points[key] = {"skipped": f"{self.left():.0f} s left < {need:.0f} s needed"}
-                    log(f"{name} rate {key}: skipped ({points[key]['skipped']})")
-                    continue
-                specs = self.mode_specs(pool[:count], share, poisson_offsets(count, rate, a.seed * 1000 + point))
-                records, cpu = self.send(specs, a.itl_tokens)
-                points[key] = {"offered_req_per_s": None if math.isinf(rate) else rate, **point_metrics(records), **cpu}
-                self.result["ramp"]["modes"][name]["saturation"] = self.saturation(name)
-                self.write()
-                m = points[key]
-                log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
-                    f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
-                    f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}")
+            self.ramp_point(share, math.inf, 0)
+        for share in a.det_shares:
+            for point, rate in enumerate(rates, start=1):
+                self.ramp_point(share, rate, point)
+
+    def ramp_point(self, share: float, rate: float, point: int) -> None:
+        a, pool = self.args, self.engine["requests"]
+        name = mode_name(share)
+        points = self.result["ramp"]["modes"][name]["points"]
+        inf = math.isinf(rate)
+        count = a.saturation_requests if inf else min(a.max_point_requests, len(pool),
+                                                      max(a.min_point_requests, round(rate * a.point_s)))
+        key = "inf" if inf else f"{rate:g}"
+        need = (0 if inf else 1.5 * a.point_s) + 10 + self.verify_reserve_s(count)
+        if self.left() < need:
+            points[key] = {"skipped": f"{self.left():.0f} s left < {need:.0f} s needed"}
+            log(f"{name} rate {key}: skipped ({points[key]['skipped']})")
+            return
+        specs = self.mode_specs(pool[:count], share, poisson_offsets(count, rate, a.seed * 1000 + point))
+        m = points[key] = {"offered_req_per_s": None if inf else rate}
+        with recorded(m, "error"):
+            records, cpu = self.send(specs, a.itl_tokens)
+            m.update({**point_metrics(records), **cpu})
+            self.result["ramp"]["modes"][name]["saturation"] = self.saturation(name)
+            log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
+                f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
+                f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}")
+        self.write()
 
     def saturation(self, name: str) -> dict[str, Any]:
         """The service at the infinite rate against the engine alone on the same requests."""
@@ -1021,8 +1064,8 @@ class Run:
         self.key_maker.shutdown()
         cpu = self.service.cpu_seconds()
         code = self.service.stop()
-        log(f"service stopped (exit {code})")
         if code is not None:
+            log(f"service stopped (exit {code})")
             self.result.setdefault("service", {}).update({"exit_code": code, "cpu_s_total": cpu,
                                                           "log_tail": self.service.log_tail(1500)})
         if not self.args.work_dir:
@@ -1104,8 +1147,8 @@ def _plot_ramp(result: dict[str, Any], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(17, 4.8))
     ax = axes[0]
     for i, (name, mode) in enumerate(modes.items()):
-        pts = [(x_inf if k == "inf" else p["offered_req_per_s"], p["output_tok_per_s"])
-               for k, p in mode["points"].items() if "output_tok_per_s" in p]
+        pts = sorted((x_inf if k == "inf" else p["offered_req_per_s"], p["output_tok_per_s"])
+                     for k, p in mode["points"].items() if "output_tok_per_s" in p)
         ax.plot([x for x, _ in pts], [y for _, y in pts], "o-", color=f"C{i}", label=f"{name}: service")
         engine = result.get("engine_alone", {}).get("modes", {}).get(name, {}).get("core")
         if engine:
@@ -1119,8 +1162,8 @@ def _plot_ramp(result: dict[str, Any], path: Path) -> None:
     ax.legend(fontsize=7)
     for ax, metric, label in ((axes[1], "ttft_s", "time to first token (s)"), (axes[2], "e2e_s", "end-to-end latency (s)")):
         for i, (name, mode) in enumerate(modes.items()):
-            finite = [k for k, p in mode["points"].items() if k != "inf" and "samples" in p]
-            for key, style in ((finite[-1] if finite else None, "--"), ("inf", "-")):
+            finite = sorted((p["offered_req_per_s"], k) for k, p in mode["points"].items() if k != "inf" and "samples" in p)
+            for key, style in ((finite[-1][1] if finite else None, "--"), ("inf", "-")):
                 samples = sorted(mode["points"].get(key, {}).get("samples", {}).get(metric, [])) if key else []
                 if samples:
                     ys = [(j + 1) / len(samples) for j in range(len(samples))]
@@ -1167,38 +1210,38 @@ def _plot_streams(result: dict[str, Any], path: Path) -> None:
 def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     run = Run(args)
     log(f"{run.model} -> {run.json_path} (deadline {args.deadline_s:.0f} s)")
+    phases: list[tuple[str, Callable[[], None]]] = [("warm_up", run.warm_up), ("ramp", run.ramp),
+                                                     ("verify", run.verify), ("targets", run.targets)]
+    if args.streams:
+        phases.insert(1, ("streams", run.streams))
     try:
-        run.engine_alone()
-        run.start_service()
-        run.warm_up()
-        if args.streams:
-            run.streams()
-        run.ramp()
-        run.verify()
-        run.targets()
-    except Exception as exc:
-        run.result["error"] = f"{type(exc).__name__}: {exc}"
-        log(f"run failed: {run.result['error']}")
-        raise
+        with recorded(run.result["errors"], "start"):
+            run.engine_alone()
+            run.start_service()
+            for name, phase in phases:  # each on its own: a failed one leaves the others their figures
+                with recorded(run.result["errors"], name):
+                    phase()
     finally:
         run.close()
         run.result["seconds"] = round(time.monotonic() - run.t0, 1)
-        run.write()
-        try:
+        with recorded(run.result, "plot_error"):
             run.result["plots"] = plot(run.result, run.out, run.name)
-        except Exception as exc:  # noqa: BLE001 - a failed plot must not lose the measured JSON
-            run.result["plot_error"] = f"{type(exc).__name__}: {exc}"
         run.write()
-    log(f"done in {run.result['seconds']} s: {run.json_path}")
+    log(f"done in {run.result['seconds']} s: {run.json_path}; errors: {run.result['errors'] or 'none'}")
     return run.result
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.role == "engine":
         return engine_role(args.plan, args.result)
+    signal.signal(signal.SIGTERM, _interrupt)  # `timeout` must not leave the service holding the device
     result = run_bench(args)
-    return 0 if result["checks"].get("all_ok") else 1
+    return 0 if result["checks"].get("all_ok") and not result["errors"] else 1
 
 
 if __name__ == "__main__":
