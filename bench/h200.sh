@@ -117,10 +117,12 @@ stage_sampler() {
 }
 
 stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside the engine alone, the synthetic 8B
-  # and SmolLM2 (bench/serve_bench.py; at most 330 + 200 s, each run bounded by its --deadline-s)
-  timeout "${SERVE_8B_TIMEOUT:-330}" python3 bench/serve_bench.py --model synthetic-8b --deadline-s 300 \
+  # and SmolLM2 (bench/serve_bench.py; at most 330 + 200 s, each run bounded by its --deadline-s). The copy on the
+  # machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
+  local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT}
+  timeout "${SERVE_8B_TIMEOUT:-330}" python3 bench/serve_bench.py --model synthetic-8b --deadline-s 300 $commit \
     --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
-  timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
+  timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 $commit \
     --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
 }
 

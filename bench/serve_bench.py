@@ -153,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deadline-s", type=float, default=480.0, help="the whole run")
     p.add_argument("--ready-timeout-s", type=float, default=300.0, help="service start-up")
     p.add_argument("--work-dir", help="database, keys, logs (default: a temporary folder, removed)")
+    p.add_argument("--git-commit", help="the tree's commit, where the copy run has no .git (default: git rev-parse)")
     p.add_argument("--role", default="bench", choices=["bench", "engine"], help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -369,7 +370,7 @@ async def _engine_async_phase(engine: Any, plan: dict[str, Any], result: dict[st
 
             result["streams"] = await stream_runs(run, result["stream_prompts"], plan)
             write_json(out_path, result)
-            log(f"engine alone streams: {json.dumps(result['streams']['summary'])}")
+            log(f"engine alone streams: {stream_line(result['streams']['summary'])}")
     finally:
         await engine.shutdown()
 
@@ -459,6 +460,20 @@ def stream_summary(runs: dict[str, Any]) -> dict[str, Any]:
                              "p99_gap_steps": {k: _ratio(v["chunk_gap_s"]["p99"], step) for k, v in agg.items()},
                              "max_gap_steps": {k: _ratio(v["chunk_gap_s"]["max"], step) for k, v in agg.items()}}
     return out
+
+
+def stream_line(summary: dict[str, Any]) -> str:
+    """The issue-26 figures on one line (deterministic against non-deterministic)."""
+    parts = []
+    for kind in ("single", "concurrent"):
+        s = summary.get(kind)
+        if s:
+            gaps = s.get("p99_gap_steps") or s["max_gap_steps"]
+            parts.append(f"{kind}: e2e x{fmt(s['e2e_ratio'], 3)}, TTFT x{fmt(s['ttft_ratio'], 3)}, step "
+                         f"{fmt(s['decode_step_s'] and 1e3 * s['decode_step_s'], 2)} ms, "
+                         f"{'p99' if 'p99_gap_steps' in s else 'max'} gap {fmt(gaps['deterministic'], 1)} / "
+                         f"{fmt(gaps['nondeterministic'], 1)} steps (det / non-det)")
+    return "; ".join(parts) or "-"
 
 
 # ---- statistics -------------------------------------------------------------------------------------
@@ -635,7 +650,8 @@ class Clients:
             self.conns.append(parent)
             self.procs.append(proc)
 
-    def run(self, kind: str, common: dict[str, Any], items: list[Any], only_first: bool = False) -> tuple[list[Any], list[dict[str, float]]]:
+    def run(self, kind: str, common: dict[str, Any], items: list[Any],
+            only_first: bool = False) -> tuple[list[Any], list[dict[str, float]]]:
         """Items dealt round-robin (or all to the first worker); (all results in item order, per-worker CPU)."""
         workers = 1 if only_first else len(self.conns)
         parts = [items[w::workers] for w in range(workers)]
@@ -748,7 +764,8 @@ async def _verify_task(task: dict[str, Any], cache: dict[str, Any]) -> list[dict
             async with gate:
                 response = await http.get(f"/v1/transcripts/{item['id']}", params={"include_content": "true"})
             if response.status_code != 200:
-                return {"id": item["id"], "ok": False, "problems": [f"GET {response.status_code}: {response.text[:200]}"]}
+                return {"id": item["id"], "ok": False,
+                        "problems": [f"GET {response.status_code}: {response.text[:200]}"]}
             return check_transcript(response.json(), item, task["jwks"])
 
         return list(await asyncio.gather(*(one(item) for item in task["items"])))
@@ -812,7 +829,8 @@ class Run:
     def plan(self) -> dict[str, Any]:
         a = self.args
         return {"model": self.model, "device": a.device, "engine_options": self.options, "set": a.set,
-                "pool_size": max(a.saturation_requests, a.max_point_requests), "saturation_requests": a.saturation_requests, "det_shares": a.det_shares,
+                "pool_size": max(a.saturation_requests, a.max_point_requests),
+                "saturation_requests": a.saturation_requests, "det_shares": a.det_shares,
                 "temperature": a.temperature, "top_p": a.top_p, "top_p_share": a.top_p_share, "seed": a.seed,
                 "stream_tokens": a.stream_tokens, "stream_prompt_tokens": a.stream_prompt_tokens,
                 "stream_repeats": a.stream_repeats, "stream_concurrency": a.stream_concurrency,
@@ -864,7 +882,8 @@ class Run:
         log(f"service ready in {ready_s:.1f} s at {self.service.url}; {self.args.clients} client processes")
         self.write()
 
-    def send(self, items: list[dict[str, Any]], count: str, only_first: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    def send(self, items: list[dict[str, Any]], count: str,
+             only_first: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
         """Send requests (spec dicts with t_start offsets, made absolute here); records and CPU figures."""
         start = time.monotonic() + 0.2 + 0.05 * len(items) / 1000  # every worker is listening before the first
         specs = [{**it, "t_start": start + it["offset"]} for it in items]
@@ -915,7 +934,7 @@ class Run:
             return records
 
         self.result["streams"] = asyncio.run(stream_runs(run, prompts, plan))
-        log(f"streams through the API: {json.dumps(self.result['streams']['summary'])}")
+        log(f"streams through the API: {stream_line(self.result['streams']['summary'])}")
         self.write()
 
     def ramp(self) -> None:
@@ -1043,6 +1062,24 @@ class Run:
         return {"tree_size": body["tree_size"], "root_hash": body["root_hash"], "signature_ok": signature_ok,
                 **({"signature_error": detail} if detail else {})}
 
+    def summary(self) -> None:
+        """One row per mode for the README: the saturation figures and the latencies at the highest rate."""
+        rows = {}
+        for name, mode in self.result.get("ramp", {}).get("modes", {}).items():
+            points = mode["points"]
+            finite = sorted((p["offered_req_per_s"], k) for k, p in points.items() if k != "inf" and "ttft_s" in p)
+            sat, top = points.get("inf", {}), points.get(finite[-1][1], {}) if finite else {}
+            rows[name] = {**mode.get("saturation", {}), "service_req_per_s": sat.get("req_per_s"),
+                          **{f"saturation_{m}_{q}": (sat.get(m) or {}).get(q) for m in ("ttft_s", "itl_s", "e2e_s")
+                             for q in ("p50", "p99")},
+                          "highest_rate_req_per_s": finite[-1][0] if finite else None,
+                          **{f"highest_rate_{m}_{q}": (top.get(m) or {}).get(q) for m in ("ttft_s", "itl_s", "e2e_s")
+                             for q in ("p50", "p99")}}
+            log(f"{name}: service {fmt(rows[name].get('service_tok_per_s'), 0)} tok/s at saturation = "
+                f"x{fmt(rows[name].get('ratio_to_engine_core'), 3)} of the engine alone (core), "
+                f"x{fmt(rows[name].get('ratio_to_engine_async'), 3)} (async)")
+        self.result["summary"] = rows
+
     def targets(self) -> None:
         """Issue 25's and 26's targets, read off this run's figures."""
         out: dict[str, Any] = {}
@@ -1101,8 +1138,10 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
         except (OSError, subprocess.SubprocessError):
             return None
 
+    commit = git("rev-parse", "HEAD")
     return {"command": " ".join(["python", *sys.orig_argv[1:]]),
-            "git_commit": git("rev-parse", "HEAD"), "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "git_commit": args.git_commit or commit, "git_commit_source": "--git-commit" if args.git_commit else "git",
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")) if commit else None,
             "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "args": {k: v for k, v in vars(args).items() if k not in ("role", "plan", "result")}}
@@ -1160,9 +1199,11 @@ def _plot_ramp(result: dict[str, Any], path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("throughput against request rate", fontsize=10)
     ax.legend(fontsize=7)
-    for ax, metric, label in ((axes[1], "ttft_s", "time to first token (s)"), (axes[2], "e2e_s", "end-to-end latency (s)")):
+    cdfs = ((axes[1], "ttft_s", "time to first token (s)"), (axes[2], "e2e_s", "end-to-end latency (s)"))
+    for ax, metric, label in cdfs:
         for i, (name, mode) in enumerate(modes.items()):
-            finite = sorted((p["offered_req_per_s"], k) for k, p in mode["points"].items() if k != "inf" and "samples" in p)
+            finite = sorted((p["offered_req_per_s"], k) for k, p in mode["points"].items()
+                            if k != "inf" and "samples" in p)
             for key, style in ((finite[-1][1] if finite else None, "--"), ("inf", "-")):
                 samples = sorted(mode["points"].get(key, {}).get("samples", {}).get(metric, [])) if key else []
                 if samples:
@@ -1211,7 +1252,8 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
     run = Run(args)
     log(f"{run.model} -> {run.json_path} (deadline {args.deadline_s:.0f} s)")
     phases: list[tuple[str, Callable[[], None]]] = [("warm_up", run.warm_up), ("ramp", run.ramp),
-                                                     ("verify", run.verify), ("targets", run.targets)]
+                                                     ("verify", run.verify), ("summary", run.summary),
+                                                     ("targets", run.targets)]
     if args.streams:
         phases.insert(1, ("streams", run.streams))
     try:
