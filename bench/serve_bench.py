@@ -670,7 +670,8 @@ class Clients:
 
     def close(self) -> None:
         for conn in self.conns:
-            conn.send(None)
+            with contextlib.suppress(OSError):  # a worker already gone (a signal to the process group)
+                conn.send(None)
         for proc in self.procs:
             proc.join(timeout=10)
 
@@ -1263,6 +1264,9 @@ def run_bench(args: argparse.Namespace) -> dict[str, Any]:
             for name, phase in phases:  # each on its own: a failed one leaves the others their figures
                 with recorded(run.result["errors"], name):
                     phase()
+    except BaseException as exc:  # an interrupt (SIGTERM from `timeout`): the JSON says where it stopped
+        run.result["errors"]["interrupted"] = f"{type(exc).__name__}: {exc}"
+        raise
     finally:
         run.close()
         run.result["seconds"] = round(time.monotonic() - run.t0, 1)
