@@ -27,7 +27,8 @@ class Settings:
     log_origin: str = "verbatim.local/log"
     """Origin line of the log's checkpoints (C2SP); name the deployment."""
     model: str = "default"
-    """``default`` (the SmolLM2 GGUF), a local Hugging Face model directory or a .gguf file."""
+    """``default`` (the SmolLM2 GGUF), a local Hugging Face model directory, a .gguf file, or
+    ``synthetic:<preset>[:peaked]`` (seeded random weights of a preset shape, for benchmarks)."""
     device: str = "auto"
     deterministic_default: bool = True
     """Value of the ``deterministic`` extension field when a request leaves it out."""

@@ -24,6 +24,8 @@
 #               first call's files, the second takes the rest)  -> gpu-pytest-1.txt, gpu-pytest-2.txt
 #   sampler     the sampler alone and the SmolLM2 engine per sampling preset: bench/sampler_bench.py
 #                                                                   -> sampler-bench.json
+#   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2:
+#               bench/serve_bench.py                 -> serve-bench-8b.json / .png, serve-bench-smollm2.json / .png
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -112,6 +114,16 @@ stage_tests2() {
 stage_sampler() {
   timeout "${SAMPLER_TIMEOUT:-240}" python3 bench/sampler_bench.py --out "$OUT" --gguf "$GGUF" 2>&1 \
     | grep -v Warn | tail -12
+}
+
+stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside the engine alone, the synthetic 8B
+  # and SmolLM2 (bench/serve_bench.py; at most 330 + 200 s, each run bounded by its --deadline-s). The copy on the
+  # machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
+  local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT}
+  timeout "${SERVE_8B_TIMEOUT:-330}" python3 bench/serve_bench.py --model synthetic-8b --deadline-s 300 $commit \
+    --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+  timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 $commit \
+    --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
 }
 
 for s in "$@"; do

@@ -64,7 +64,9 @@ class EngineConfig:
     tokens of verify passes), so usable slots = (num_kv_blocks - 2) * block_size.
     """
 
-    model: str = DEFAULT_MODEL          # "default" (SmolLM2 GGUF), a HF model folder or a .gguf file
+    model: str = DEFAULT_MODEL          # "default" (SmolLM2 GGUF), a HF model folder, a .gguf file, or
+                                        # "synthetic:<preset>[:peaked]" (engine/models/synthetic.py: seeded
+                                        # random weights, e.g. synthetic:llama-3.1-8b:peaked for GPU benches)
     device: str = "auto"                # auto / cpu / cuda
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on CUDA) / float32 / bfloat16 / float16
     mode: Mode = Mode.DVR

@@ -457,14 +457,20 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from engine.kernels import TORCH_OPS, BatchInvariantOps
     from engine.loader import load_model_source
     from engine.models import arch_from_hf, build_model
+    from engine.models.synthetic import load_synthetic, parse_synthetic
 
     dtype, device = config.resolved_dtype, config.resolved_device
-    cache = Path(config.cache_dir) if config.cache_dir else None
-    source = load_model_source(config.model, dtype, cache)
-    arch = arch_from_hf(source.hf_config)
     ops = BatchInvariantOps() if config.mode == Mode.BATCH_INVARIANT else TORCH_OPS
-    model = build_model(source.hf_config, dtype, device, config.attention_backend, ops)
-    model.load_weights(source.weights())
+    synthetic = parse_synthetic(config.model)
+    if synthetic is not None:  # seeded random weights made on the device (no files)
+        model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops)
+    else:
+        cache = Path(config.cache_dir) if config.cache_dir else None
+        source = load_model_source(config.model, dtype, cache)
+        hf_config, tokenizer, info = source.hf_config, source.tokenizer, source.info
+        model = build_model(hf_config, dtype, device, config.attention_backend, ops)
+        model.load_weights(source.weights())
+    arch = arch_from_hf(hf_config)
     shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                       vocab_size=arch.vocab_size, max_model_len=source.info.max_model_len)
-    return LoadedModel(model, shape, source.tokenizer, source.info)
+                       vocab_size=arch.vocab_size, max_model_len=info.max_model_len)
+    return LoadedModel(model, shape, tokenizer, info)

@@ -15,6 +15,11 @@ The weights are a pure function of (shape, seed, device type): one generator, HF
 token's embedding (still dominant in the residual stream) votes for its successor by a margin far above
 bf16 noise. Fast path and verifier then agree (no natural rollbacks) and a benchmark sets the rollback
 rate with the engine's fault injection instead.
+
+Served by name (`EngineConfig.model`, hence `python -m auditor serve` with VERBATIM_MODEL):
+`synthetic:<preset>` or `synthetic:<preset>:peaked` loads `build_synthetic_model(preset, seed=0)` with a
+word-level tokenizer over its vocabulary (token v is the word `t<v>`, words joined by spaces), no EOS
+token, and a context of at most SYNTHETIC_MAX_MODEL_LEN tokens (`load_synthetic`).
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 
+from engine.kernels import TORCH_OPS, Ops
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
 
@@ -120,10 +126,14 @@ def build_synthetic_model(
     return model
 
 
-def synthetic_weights_digest(hf_config: Any, seed: int, dtype: torch.dtype, logit_scale: float = 1.0) -> str:
-    """Identity of a synthetic model (its recipe, not its bytes): SHA-256 over shape, seed, dtype."""
-    recipe = {"config": hf_config.to_dict(), "seed": seed, "dtype": str(dtype), "logit_scale": logit_scale,
-              "recipe": "verbatim-synthetic-v1"}
+def synthetic_weights_digest(hf_config: Any, seed: int, dtype: torch.dtype, logit_scale: float = 1.0,
+                             peaked: bool = False) -> str:
+    """Identity of a synthetic model (its recipe, not its bytes): SHA-256 over shape, seed, dtype (and
+    `peaked` when set, so the digests of plain models stay what they were)."""
+    recipe: dict[str, Any] = {"config": hf_config.to_dict(), "seed": seed, "dtype": str(dtype),
+                              "logit_scale": logit_scale, "recipe": "verbatim-synthetic-v1"}
+    if peaked:
+        recipe["peaked"] = True
     return hashlib.sha256(json.dumps(recipe, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -136,3 +146,52 @@ def weight_bytes(model: torch.nn.Module) -> int:
             seen.add(p.data_ptr())
             total += p.numel() * p.element_size()
     return total
+
+
+# random weights have no use for a long context; the engine bench serves the synthetic 8B at this length too
+SYNTHETIC_MAX_MODEL_LEN = 8192
+_SYNTHETIC_CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def synthetic_recipe(spec: str) -> tuple[str, bool]:
+    """`parse_synthetic`'s result -> (preset, peaked): 'llama-3.1-8b' or 'llama-3.1-8b:peaked'."""
+    preset, _, option = spec.partition(":")
+    if preset not in PRESETS or option not in ("", "peaked"):
+        raise ValueError(f"model: {SYNTHETIC_PREFIX}{spec!r} is not {SYNTHETIC_PREFIX}<preset>[:peaked] "
+                         f"with a preset in {sorted(PRESETS)}")
+    return preset, option == "peaked"
+
+
+def synthetic_tokenizer(vocab_size: int) -> Any:
+    """A transformers fast tokenizer over the synthetic vocabulary: token v is the word `t<v>`; text is split
+    on whitespace and decoded words are joined by single spaces. It has no special tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{v}": v for v in range(vocab_size)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
+    tokenizer.chat_template = _SYNTHETIC_CHAT_TEMPLATE
+    return tokenizer
+
+
+def load_synthetic(spec: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
+                   ops: Ops = TORCH_OPS) -> tuple[LlamaForCausalLM, Any, Any, Any]:
+    """(model, hf_config, tokenizer, loader.ModelInfo) of `synthetic:<spec>` (`synthetic_recipe`), seed 0."""
+    from engine.loader import ModelInfo, sha256_bytes
+
+    preset, peaked = synthetic_recipe(spec)
+    hf_config = synthetic_hf_config(preset)
+    model = build_model(hf_config, dtype, device, attention_backend, ops)
+    fill_random_(model, seed=0, peaked=peaked)
+    tokenizer = synthetic_tokenizer(hf_config.vocab_size)
+    info = ModelInfo(
+        name=SYNTHETIC_PREFIX + spec,
+        weights_digest=synthetic_weights_digest(hf_config, 0, dtype, peaked=peaked),
+        tokenizer_digest=sha256_bytes(tokenizer.backend_tokenizer.to_str().encode()),
+        chat_template_digest=sha256_bytes(_SYNTHETIC_CHAT_TEMPLATE.encode()),
+        dtype=str(dtype).removeprefix("torch."),
+        max_model_len=min(int(hf_config.max_position_embeddings), SYNTHETIC_MAX_MODEL_LEN),
+        eos_token_ids=(),
+    )
+    return model, hf_config, tokenizer, info

@@ -66,3 +66,26 @@ def test_sizes_and_names() -> None:
     assert parse_synthetic("/models/x.gguf") is None
     # Llama-3.1-8B: 32 layers x 2 (K, V) x 16 slots x 8 heads x 128 dims x 2 bytes = 2 MiB per block
     assert kv_bytes_per_block(32, 8, 128, 16, torch.bfloat16) == 2 * 2**20
+
+
+def test_engine_serves_a_synthetic_model_by_name() -> None:
+    """EngineConfig.model = "synthetic:<preset>[:peaked]": the seed-0 weights of build_synthetic_model, a
+    word-level tokenizer over the vocabulary, identity digests that tell peaked from plain."""
+    from engine.config import EngineConfig
+    from engine.model_runner import load_model
+
+    loaded = load_model(EngineConfig(model="synthetic:tiny:peaked"))
+    reference = build_synthetic_model("tiny", torch.float32, "cpu", seed=0, peaked=True)
+    state, ref = loaded.model.state_dict(), reference.state_dict()
+    assert state.keys() == ref.keys() and all(torch.equal(state[k], ref[k]) for k in ref)
+    info = loaded.info
+    assert info.name == "synthetic:tiny:peaked" and info.eos_token_ids == () and info.max_model_len == 1024
+    assert loaded.shape.vocab_size == len(loaded.tokenizer) == 512
+    assert loaded.tokenizer.encode("t5 t511  t0", add_special_tokens=False) == [5, 511, 0]
+    assert loaded.tokenizer.decode([5, 7, 9]) == "t5 t7 t9"
+    plain = load_model(EngineConfig(model="synthetic:tiny")).info
+    assert plain.weights_digest == synthetic_weights_digest(synthetic_hf_config("tiny"), 0, torch.float32)
+    assert plain.weights_digest != info.weights_digest and plain.tokenizer_digest == info.tokenizer_digest
+    for bad in ("synthetic:gpt-5", "synthetic:tiny:flat"):
+        with pytest.raises(ValueError, match="model: synthetic:"):
+            load_model(EngineConfig(model=bad))

@@ -1,0 +1,122 @@
+"""The serving benchmark (bench/serve_bench.py) end to end on the CPU: the tiny synthetic model served by
+`python -m auditor serve`, two modes, one rate, a few requests per point. Checks the JSON's fields, that the
+service and the engine alone produced the same tokens, and the verification checks (every transcript
+verifies, the checkpoint's tree size equals the number of transcripts, a tampered transcript is caught)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench import serve_bench as sb
+
+ROOT = Path(__file__).resolve().parents[2]
+STREAM_TOKENS = 16
+# warm-up 3 x 2 modes; streams: 1 alone x 2 modes + 2 at once x 2 modes; ramp: (2 at 2 req/s + 3 at once) x 2
+EXPECTED_TRANSCRIPTS = 6 + 6 + 10
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("serve-bench")
+    cmd = [sys.executable, "bench/serve_bench.py", "--model", "synthetic:tiny:peaked", "--device", "cpu", "--quick",
+           "--out", str(out), "--name", "smoke", "--engine-option", "num_threads=1", "--det-shares", "0,1",
+           "--saturation-requests", "3", "--rates", "2", "--point-s", "1", "--min-point-requests", "2",
+           "--max-point-requests", "2", "--stream-tokens", str(STREAM_TOKENS), "--stream-prompt-tokens", "16",
+           "--stream-concurrency", "2", "--clients", "1", "--deadline-s", "240"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return {"out": out, "doc": json.loads((out / "smoke.json").read_text())}
+
+
+def test_run_records_its_command_commit_device_and_plots(smoke: dict) -> None:
+    doc = smoke["doc"]
+    env = doc["environment"]
+    assert "bench/serve_bench.py" in env["command"] and "--quick" in env["command"]
+    assert len(env["git_commit"]) == 40 and env["date_utc"].startswith("20") and env["device"]["type"] == "cpu"
+    assert env["device"]["name"] and doc["model"] == "synthetic:tiny:peaked"
+    assert doc["service"]["served_model"] == "synthetic:tiny:peaked" and doc["service"]["exit_code"] == 0
+    for png in ("smoke.png", "smoke-streams.png"):
+        assert (smoke["out"] / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: dict) -> None:
+    doc = smoke["doc"]
+    assert doc["ramp"]["rates_req_per_s"] == [2.0]
+    for name in ("dvr_0pct", "dvr_100pct"):
+        engine = doc["engine_alone"]["modes"][name]
+        assert engine["core"]["finished"] == engine["core"]["requests"] == 3 and engine["core"]["output_tok_per_s"] > 0
+        assert engine["async"]["completed"] == 3 and engine["async"]["output_tokens"] == engine["core"]["output_tokens"]
+        mode = doc["ramp"]["modes"][name]
+        for key, count in (("2", 2), ("inf", 3)):
+            point = mode["points"][key]
+            assert point["requests"] == point["completed"] == count and point["errors"] == 0
+            assert point["output_tok_per_s"] > 0 and point["req_per_s"] > 0 and point["service_cores"] > 0
+            for metric in ("ttft_s", "e2e_s", "itl_s", "tpot_s", "chunk_gap_s"):
+                assert 0 <= point[metric]["p50"] <= point[metric]["p99"] <= point[metric]["max"], (name, key, metric)
+            assert len(point["samples"]["ttft_s"]) == count
+        # ignore_eos: the same requests give the same number of tokens through the API and the engine alone
+        assert mode["points"]["inf"]["output_tokens"] == engine["core"]["output_tokens"]
+        assert mode["saturation"]["ratio_to_engine_core"] > 0 and mode["saturation"]["ratio_to_engine_async"] > 0
+
+
+def test_streams_give_every_tokens_arrival_in_both_modes(smoke: dict) -> None:
+    for streams in (smoke["doc"]["streams"], smoke["doc"]["engine_alone"]["streams"]):
+        for kind, count in (("single", 1), ("concurrent", 2)):
+            for det in ("nondeterministic", "deterministic"):
+                runs = streams[kind][det]
+                assert len(runs) == count
+                for run in runs:
+                    arrivals = run["token_arrival_s"]
+                    assert run["tokens"] == len(arrivals) == STREAM_TOKENS
+                    assert arrivals == sorted(arrivals) and arrivals[0] == pytest.approx(run["ttft_s"], abs=1e-4)
+                    assert run["e2e_s"] >= run["last_token_s"] >= run["ttft_s"] > 0
+        summary = streams["summary"]
+        assert summary["single"]["decode_step_s"] > 0 and summary["single"]["e2e_ratio"] > 0
+        assert summary["single"]["max_gap_steps"]["deterministic"] > 0
+        assert summary["concurrent"]["p99_gap_steps"]["deterministic"] > 0
+
+
+def test_every_transcript_verifies_and_the_tree_holds_them_all(smoke: dict) -> None:
+    checks = smoke["doc"]["checks"]
+    assert checks["all_ok"] is True, checks
+    assert checks["transcripts_sent"] == checks["transcripts_verified"] == EXPECTED_TRANSCRIPTS
+    assert checks["checkpoint"]["tree_size"] == EXPECTED_TRANSCRIPTS and checks["checkpoint"]["signature_ok"]
+    assert checks["log_indices_are_0_to_size"] and checks["transcripts_failed"] == checks["requests_failed"] == 0
+    tamper = checks["tamper_control"]
+    assert tamper["detected"] and any(p.startswith("output_commitment") for p in tamper["problems"])
+    assert smoke["doc"]["targets"]["checks_all_ok"] is True
+
+
+def test_deterministic_flags_hold_the_share_in_every_prefix() -> None:
+    for share in (0.0, 0.1, 0.5, 1.0):
+        flags = sb.deterministic_flags(200, share)
+        for n in (1, 10, 37, 200):
+            assert abs(sum(flags[:n]) - share * n) < 1
+    assert sb.deterministic_flags(20, 0.1) == [i % 10 == 9 for i in range(20)]
+
+
+def test_a_chunks_gap_is_spread_over_its_tokens() -> None:
+    record = {"t_send": 10.0, "t_end": 11.5, "completion_tokens": 4, "chunks": [[10.5, 1], [11.1, 3]]}
+    failed = {"t_send": 10.2, "t_end": 10.3, "completion_tokens": 0, "chunks": [], "error": "boom"}
+    m = sb.point_metrics([record, failed])
+    assert (m["completed"], m["errors"], m["output_tokens"]) == (1, 1, 4)
+    assert m["seconds"] == pytest.approx(1.5) and m["output_tok_per_s"] == pytest.approx(4 / 1.5)
+    assert m["ttft_s"]["p50"] == pytest.approx(0.5) and m["e2e_s"]["max"] == pytest.approx(1.5)
+    assert m["itl_s"]["n"] == 3 and m["itl_s"]["p50"] == pytest.approx(0.2) and m["itl_s"]["max"] == pytest.approx(0.2)
+    assert m["chunk_gap_s"]["n"] == 1 and m["chunk_gap_s"]["max"] == pytest.approx(0.6)
+    assert m["tpot_s"]["p50"] == pytest.approx(0.2)
+    stream = sb.stream_stats(record)
+    assert stream["token_arrival_s"] == [0.5, 1.1, 1.1, 1.1] and stream["max_chunk_gap_s"] == pytest.approx(0.6)
+
+
+def test_poisson_arrivals_keep_their_rate() -> None:
+    offsets = sb.poisson_offsets(4000, 50.0, seed=1)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert offsets[-1] / 3999 == pytest.approx(1 / 50, rel=0.06)
+    assert sb.poisson_offsets(5, float("inf"), seed=1) == [0.0] * 5
