@@ -195,6 +195,9 @@ class AsyncEngine:
             job.loop.call_soon_threadsafe(_reject, job.future, exc)
 
     def _publish(self, touched: list[Sequence]) -> None:
+        """Hand each touched request's committed output to its stream: one wake-up of each event loop per
+        step (a thread-safe call per request would wake it hundreds of times a step under load)."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Any], RequestOutput]]] = {}
         for seq in touched:
             if seq.kind == SeqKind.REPLAY:
                 continue
@@ -205,9 +208,11 @@ class AsyncEngine:
             self._remember(out)
             if stream is not None:
                 stream.published = len(seq.tokens)
-                self._push(seq.request_id, out)
+                batches.setdefault(stream.loop, []).append((stream.queue, out))
             if seq.is_finished:
                 self._streams.pop(seq.request_id, None)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_deliver, items)
 
     def _finish_replays(self) -> None:
         done = [j for j in self._replays if all(s.is_finished for s in j.seqs)]
@@ -238,6 +243,11 @@ class AsyncEngine:
         for job in self._replays:
             job.loop.call_soon_threadsafe(_reject, job.future, RuntimeError(f"engine step failed: {exc!r}"))
         self._replays.clear()
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
 
 
 def _resolve(fut: asyncio.Future[Any], value: Any) -> None:

@@ -87,7 +87,9 @@ class LLM:
 def detokenizer(tokenizer: Any) -> Callable[[list[int]], str] | None:
     if tokenizer is None:
         return None
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+    from engine.detokenize import Detokenizer
+
+    return Detokenizer(tokenizer)
 
 
 def _is_ids(x: Any) -> bool:

@@ -1,0 +1,44 @@
+"""engine.detokenize: the byte table gives exactly what tokenizer.decode gives, and other tokenizers fall back."""
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+import torch
+
+from engine.detokenize import Detokenizer
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> Any:
+    from engine.loader import load_model_source
+
+    return load_model_source("default", torch.float32, None).tokenizer
+
+
+def test_byte_table_equals_the_tokenizer_on_random_ids_and_split_characters(smollm2_tokenizer: Any) -> None:
+    tok = smollm2_tokenizer
+    detok = Detokenizer(tok)
+    assert detok.uses_table
+    rng = random.Random(7)
+    for _ in range(500):  # random ids: invalid UTF-8 fragments, special and added tokens among them
+        ids = [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 200))]
+        assert detok(ids) == tok.decode(ids, skip_special_tokens=True), ids
+    text = "Grüße, 世界! 🙂🚀 naïve café — ok<|im_end|> end"
+    ids = tok.encode(text)
+    for n in range(len(ids) + 1):  # every prefix: characters split across tokens decode alike
+        assert detok(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True), n
+    assert detok([len(tok) + 5]) == tok.decode([len(tok) + 5], skip_special_tokens=True)  # outside the table
+
+
+def test_other_tokenizers_use_their_own_decode() -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+    detok = Detokenizer(tok)
+    assert not detok.uses_table
+    assert detok([1, 2, 1]) == tok.decode([1, 2, 1], skip_special_tokens=True)
