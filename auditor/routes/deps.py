@@ -18,6 +18,7 @@ from auditor.ledger import Ledger
 from auditor.metrics import Metrics
 from auditor.service import CompletionService
 from auditor.settings import Settings
+from auditor.witnessing import WitnessPool
 
 
 @dataclass
@@ -32,6 +33,10 @@ class Services:
     ledger: Ledger
     authenticator: Authenticator
     metrics: Metrics
+    session_store: Any = None
+    """Console sessions: a litestar ``Store`` (Redis when ``redis_url`` is set, else in memory)."""
+    redis: Any = None
+    witnesses: WitnessPool | None = None
     engine: Any = None
     completions: CompletionService | None = None
     engine_error: str | None = None
