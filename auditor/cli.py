@@ -34,6 +34,29 @@ def _db_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: SQLite file in the data directory; env VERBATIM_DATABASE_URL)")
 
 
+def _witness_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--witness", action="append", default=[], metavar="VKEY",
+                        help="a witness cosigner vkey (C2SP tlog-cosignature); repeatable. Default: the witnesses "
+                        "of VERBATIM_WITNESSES. With any, the checkpoint must carry their cosignatures")
+    parser.add_argument("--witness-quorum", type=int, metavar="N",
+                        help="cosignatures required (default: every witness given)")
+
+
+def witness_keys_from(args: argparse.Namespace, settings: Settings) -> tuple[list[Any], int]:
+    """``(cosigner keys, quorum)`` from ``--witness``/``--witness-quorum``, else from the settings."""
+    from auditor.cosignature import CosignerKey
+
+    if args.witness:
+        keys = [CosignerKey.parse(v) for v in args.witness]
+    else:
+        keys = [key for _, key in settings.witness_keys()]
+    quorum = args.witness_quorum if args.witness_quorum is not None else (
+        settings.required_cosignatures if not args.witness else len(keys))
+    if keys and not 1 <= quorum <= len(keys):
+        raise ValueError(f"--witness-quorum must be in 1..{len(keys)}, got {quorum}")
+    return keys, quorum
+
+
 def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
     overrides = {k: getattr(args, k, None) for k in ("host", "port", "data_dir", "database_url")}
     return Settings.from_env(os.environ if env is None else env, **overrides)
@@ -63,6 +86,7 @@ async def bootstrap_admin(settings: Settings) -> str | None:
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
     try:
         async with create_sessionmaker(db)() as session, session.begin():
+            await repository.lock(session, "verbatim-bootstrap-admin")
             if await repository.count_admin_keys(session):
                 return None
             _, secret = await auth.create_key(session, BOOTSTRAP_TENANT, Role.ADMIN, "bootstrap admin")
@@ -162,6 +186,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="transcript document (GET /v1/transcripts/{id}) or bundle entry")
     parser.add_argument("--jwks", help="JWKS file or http(s) URL (default: this server's keys in the data dir)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _witness_flags(parser)
     _db_flags(parser)
     parser.set_defaults(run=verify)
 
@@ -187,12 +212,20 @@ def load_jwks(source: str | None, settings: Settings) -> dict[str, Any]:
 def verify(args: argparse.Namespace) -> int:
     from auditor.verify import verify_file
 
+    from auditor.cosignature import CosignatureError
+
+    settings = settings_from(args)
     try:
-        jwks = load_jwks(args.jwks, settings_from(args))
+        jwks = load_jwks(args.jwks, settings)
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the JWKS: {exc}", file=sys.stderr)
         return 2
-    report = verify_file(args.file, jwks)
+    try:
+        witnesses, quorum = witness_keys_from(args, settings)
+    except (ValueError, CosignatureError) as exc:
+        print(f"error: witnesses: {exc}", file=sys.stderr)
+        return 2
+    report = verify_file(args.file, jwks, witnesses=witnesses, quorum=quorum)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return 0 if report.ok else 1
 

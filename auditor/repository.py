@@ -183,6 +183,13 @@ async def add_cosignature(session: AsyncSession, row: CheckpointCosignature) -> 
     await session.flush()
 
 
+async def lock(session: AsyncSession, name: str) -> None:
+    """Wait for the PostgreSQL advisory lock named ``name``, held to the end of the transaction
+    (server processes starting together do one-time set-up one at a time); a no-op on SQLite."""
+    if session.bind.dialect.name == "postgresql":
+        await session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+
+
 async def try_lock(session: AsyncSession, name: str) -> bool:
     """A PostgreSQL advisory lock named ``name`` for the rest of the transaction, if free (one server
     process at a time does the named work); always granted on SQLite (one process per database)."""

@@ -14,7 +14,7 @@ from auditor import queries
 from auditor.auth import Principal
 from auditor.errors import bad_request
 from auditor.repository import TranscriptFilter
-from auditor.routes.deps import Services, provide_db_session, provide_principal
+from auditor.routes.deps import Services, provide_db_session, provide_principal, witnessed_size
 
 
 class TranscriptsController(Controller):
@@ -50,9 +50,12 @@ class TranscriptsController(Controller):
         principal: Principal,
         include_content: bool = False,
         verify: bool = False,
+        witnessed: bool = False,
     ) -> dict[str, Any]:
+        at_size = await witnessed_size(services) if witnessed else None
         return await queries.transcript_document(db_session, services.ledger, services.keyring, principal,
-                                                 transcript_id, include_content=include_content, verify=verify)
+                                                 transcript_id, include_content=include_content, verify=verify,
+                                                 at_size=at_size)
 
 
 def _aware(value: dt.datetime | None, name: str) -> dt.datetime | None:
