@@ -172,7 +172,7 @@ def _try_signature(sig: NoteSignature, keys: list[VerifierKey], text: str) -> bo
 def parse_verifier_key(vkey: str) -> tuple[str, bytes]:
     """``(key name, Ed25519 public key)`` of a signed-note verifier key ``<name>+<hex id>+base64(0x01 ‖ key)``
     (the form ``verifier_key_string`` writes); the key id must match."""
-    parts = vkey.strip().split("+")
+    parts = vkey.strip().split("+", 2)  # base64 may hold '+'; the name may not
     if len(parts) != 3:
         raise CheckpointError(f"verifier key {vkey!r:.80} is not <name>+<hex key id>+<base64 key>")
     name, hex_id, encoded = parts

@@ -249,20 +249,54 @@ def run_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _signing_keys_parser(parser: argparse.ArgumentParser) -> None:
+    from auditor.crypto import KeyRole
+
+    sub = parser.add_subparsers(dest="signing_keys_command", required=True)
+    listing = sub.add_parser("list", help="list the signing keys (kid, role, status; public facts only)")
+    _db_flags(listing)
+    listing.set_defaults(run=signing_keys_list)
+    rotate = sub.add_parser("rotate", help="retire a role's active key and create a new one (old ones stay "
+                            "published); running servers sharing the key directory pick it up")
+    rotate.add_argument("--role", required=True, choices=[r.value for r in KeyRole])
+    _db_flags(rotate)
+    rotate.set_defaults(run=signing_keys_rotate)
+
+
+def signing_keys_list(args: argparse.Namespace) -> int:
+    from auditor.crypto import KeyRing
+
+    for jwk in KeyRing.open(settings_from(args).keys_dir).jwks()["keys"]:
+        print(f"{jwk['kid']}\t{jwk['role']}\t{jwk['status']}")
+    return 0
+
+
+def signing_keys_rotate(args: argparse.Namespace) -> int:
+    from auditor.crypto import KeyRing
+
+    signer = KeyRing.open(settings_from(args).keys_dir).rotate(args.role)
+    print(f"rotated {signer.role.value}: new active key {signer.kid}")
+    return 0
+
+
 SUBCOMMANDS: list[Command] = [
     ("serve", "migrate, create keys, and serve the API", _serve_parser),
     ("keys", "manage API keys", _keys_parser),
     ("verify", "verify a transcript document offline with public keys only", _verify_parser),
     ("migrate", "apply database migrations", _migrate_parser),
+    ("signing-keys", "list or rotate the Ed25519 signing keys", _signing_keys_parser),
 ]
 
 
 def plugin_commands() -> list[Command]:
     """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge)."""
-    from auditor import replay_cli
+    from auditor import monitor, replay_cli
     from auditor.reports.cli import COMMANDS
+    from auditor.witness import cli as witness_cli
 
-    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS]
+    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS,
+            ("witness", "run a C2SP tlog-witness that cosigns consistent checkpoints", witness_cli.configure),
+            ("monitor", "follow a log's checkpoints and fail loudly on any inconsistency", monitor.configure)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,7 +81,7 @@ class CosignerKey:
     @classmethod
     def parse(cls, vkey: str) -> CosignerKey:
         """Parse ``name+hexid+base64(0x04 ‖ key)``; the key id must match the name and key."""
-        parts = vkey.strip().split("+")
+        parts = vkey.strip().split("+", 2)  # base64 may hold '+'; the name may not
         if len(parts) != 3:
             raise CosignatureError(f"cosigner vkey {vkey!r:.80} is not <name>+<hex key id>+<base64 key>")
         name, hex_id, encoded = parts
