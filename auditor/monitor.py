@@ -78,14 +78,15 @@ class Monitor:
             checkpoint = verify_checkpoint(note, self.jwks, origin=self.origin)
         except CheckpointError as exc:
             raise Unreadable(f"checkpoint does not verify with the pinned keys: {exc}") from None
+        current = Seen(checkpoint.tree_size, checkpoint.root_hash, note)
+        if self.seen is not None:
+            self._check_extends(self.seen, current)
         if self.witnesses:
             try:
                 check_quorum(note, self.witnesses, self.quorum)
             except CosignatureError as exc:
-                raise Unreadable(f"checkpoint {checkpoint.tree_size} is not witnessed: {exc}") from None
-        current = Seen(checkpoint.tree_size, checkpoint.root_hash, note)
-        if self.seen is not None:
-            self._check_extends(self.seen, current)
+                raise Unreadable(f"checkpoint {checkpoint.tree_size} is not witnessed (not accepted yet): "
+                                 f"{exc}") from None
         self.origin = checkpoint.origin
         if self.seen is None or current.size != self.seen.size:
             _save_state(self.state_path, current.to_json(checkpoint.origin))

@@ -67,6 +67,8 @@ class WitnessPool:
         self._on_result = on_result or (lambda witness, outcome: None)
         self._locks = {e.key.name: asyncio.Lock() for e in self.endpoints}
         self._known: dict[str, int] = {}
+        self._refused: dict[str, int] = {}
+        """Per witness, the checkpoint size it last refused: not submitted again (a new one will be)."""
         self._task: asyncio.Task[None] | None = None
         self._client: httpx.AsyncClient | None = None
 
@@ -143,7 +145,8 @@ class WitnessPool:
             if not await repository.try_lock(session, f"verbatim-witness:{name}"):
                 return  # another server process is talking to this witness
             checkpoint = await repository.latest_checkpoint(session)
-            if checkpoint is None or await repository.has_cosignature(session, checkpoint.tree_size, name):
+            if checkpoint is None or self._refused.get(name) == checkpoint.tree_size or \
+                    await repository.has_cosignature(session, checkpoint.tree_size, name):
                 return
             old = self._known.get(name)
             if old is None:
@@ -158,7 +161,7 @@ class WitnessPool:
                     return
                 answer = await self._submit(session, endpoint, old, checkpoint)
             if not answer.ok:
-                self._refused(endpoint, checkpoint, old, answer)
+                self._refusal(endpoint, checkpoint, old, answer)
                 return
             await self._store(session, endpoint, checkpoint, answer)
 
@@ -193,9 +196,10 @@ class WitnessPool:
         self._known[name] = checkpoint.tree_size
         self._on_result(name, "cosigned")
 
-    def _refused(self, endpoint: WitnessEndpoint, checkpoint: LogCheckpoint, old: int, answer: Answer) -> None:
+    def _refusal(self, endpoint: WitnessEndpoint, checkpoint: LogCheckpoint, old: int, answer: Answer) -> None:
         detail = answer.body.strip()[:300]
         if answer.status in (409, 422):
+            self._refused[endpoint.key.name] = checkpoint.tree_size
             self._report(endpoint, "refused", f"witness {endpoint.key.name} refused checkpoint {checkpoint.tree_size} "
                          f"(from size {old}) with {answer.status}: {detail} -- the log is not an append-only "
                          "extension of what this witness cosigned", logging.ERROR)
