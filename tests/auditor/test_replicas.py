@@ -1,0 +1,257 @@
+"""Several replicas on one PostgreSQL: three real ``python -m auditor serve`` processes (each with its own
+engine: the fake one, through ``VERBATIM_ENGINE_FACTORY``, since three SmolLM2 engines on two shared cores
+would take minutes per request) started together on a fresh database, clients of three tenants spread
+over them, one replica killed with SIGKILL while requests are in flight. Afterwards every transcript any
+client received verifies, the log is one consistent tree (every stored checkpoint is a prefix of it), and
+each tenant's chain has no duplicate and no missing sequence number.
+
+Also (in-process, two apps on one database and one Redis): console sessions and rate limits are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from auditor.db.session import create_engine
+from auditor.settings import Settings
+from auditor.verify import verify_document
+from tests.auditor import independent
+from tests.auditor.conftest import LiveServer, make_key, postgres_url, serving, with_port
+from tests.auditor.fake_engine import FakeAsyncEngine
+from tests.auditor.processes import run_cli
+from tests.auditor.replicas_support import Cluster, create_database, drop_database
+
+pytestmark = pytest.mark.postgres
+
+REDIS_ENV = "VERBATIM_TEST_REDIS_URL"
+MODEL = "fake-model"
+TENANTS = ("acme", "globex", "initech")
+
+
+def redis_url() -> str:
+    url = os.environ.get(REDIS_ENV)
+    if not url:
+        pytest.skip(f"{REDIS_ENV} is not set; Redis tests skipped (.ci/run sets it)")
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {REDIS_ENV} unreachable ({exc}); skipped")
+    return url
+
+
+@pytest.fixture
+def replica_database() -> Iterator[str]:
+    url = create_database(postgres_url(), "verbatim_replicas")
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+# --- three processes, one killed ----------------------------------------------------------------------
+
+
+class Load:
+    """Clients that spread requests over the live replicas and retry elsewhere when one fails."""
+
+    def __init__(self, urls: list[str], keys: dict[str, str]) -> None:
+        self.urls = urls
+        self.keys = keys
+        self.dead: set[int] = set()
+        self.in_flight = Counter[int]()
+        self.failures = Counter[int]()
+        self.received: list[tuple[str, str]] = []
+        self.done = 0
+
+    async def request(self, tenant: str, n: int) -> None:
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 24 if n % 3 == 0 else 8, "seed": n,
+                                "deterministic": n % 2 == 0, "stream": n % 3 == 0}
+        if n % 4 == 0:
+            body["messages"] = [{"role": "user", "content": f"request {n} of {tenant}"}]
+        else:
+            body["prompt"] = f"request {n} of {tenant}"
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        for attempt in range(6):
+            replica = (n + attempt) % len(self.urls)
+            if replica in self.dead:
+                continue
+            transcript = await self._once(replica, path, body, self.keys[tenant])
+            if transcript is not None:
+                self.received.append((tenant, transcript))
+                self.done += 1
+                return
+        raise AssertionError(f"request {n} of {tenant} failed on every replica")
+
+    async def _once(self, replica: int, path: str, body: dict[str, Any], key: str) -> str | None:
+        self.in_flight[replica] += 1
+        try:
+            async with httpx.AsyncClient(base_url=self.urls[replica], timeout=60,
+                                         headers={"Authorization": f"Bearer {key}"}) as client:
+                if not body["stream"]:
+                    response = await client.post(path, json=body)
+                    return response.json()["transcript"]["id"] if response.status_code == 200 else None
+                return await _streamed_transcript(client, path, body)
+        except (httpx.TransportError, ValueError, KeyError):
+            self.failures[replica] += 1
+            return None
+        finally:
+            self.in_flight[replica] -= 1
+
+
+async def _streamed_transcript(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str | None:
+    transcript, done = None, False
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            return None
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                transcript = json.loads(line[6:]).get("transcript", {}).get("id") or transcript
+    return transcript if done else None
+
+
+async def _kill_under_load(cluster: Cluster, load: Load, victim: int, after: int) -> None:
+    while load.done < after or load.in_flight[victim] == 0:
+        await asyncio.sleep(0.005)
+    load.dead.add(victim)
+    cluster.replicas[victim].kill()
+
+
+async def _rows(url: str, query: str) -> list[Any]:
+    from sqlalchemy import text
+
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            return list((await connection.execute(text(query))).all())
+    finally:
+        await engine.dispose()
+
+
+async def test_three_replicas_one_killed_under_load(replica_database: str, tmp_path: Path) -> None:
+    cluster = Cluster(replica_database, tmp_path / "data", redis_url(),
+                      {"VERBATIM_RATE_LIMIT_PER_SECOND": "10000", "VERBATIM_RATE_LIMIT_BURST": "10000",
+                       "VERBATIM_ENGINE_OPTIONS": json.dumps({"step_delay": 0.02})})
+    try:
+        await asyncio.to_thread(cluster.start, 3)
+        bootstraps = sum(r.output().count("Created the first admin API key") for r in cluster.replicas)
+        assert bootstraps == 1, [r.output()[-500:] for r in cluster.replicas]
+        keys = {t: await asyncio.to_thread(cluster.create_key, t) for t in TENANTS}
+        load = Load(cluster.urls, keys)
+        requests = [(t, n) for n in range(24) for t in TENANTS]
+        random.Random(29).shuffle(requests)
+        queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        for item in requests:
+            queue.put_nowait(item)
+
+        async def client() -> None:
+            while not queue.empty():
+                await load.request(*queue.get_nowait())
+
+        killer = asyncio.create_task(_kill_under_load(cluster, load, victim=2, after=len(requests) // 3))
+        await asyncio.gather(*(client() for _ in range(12)))
+        await killer
+        assert cluster.replicas[2].proc.returncode == -9
+        assert load.failures[2] >= 1, load.failures  # requests were cut off by the kill and retried elsewhere
+        assert len(load.received) == len(requests)
+        await _check_everything(cluster, load)
+    finally:
+        cluster.stop()
+
+
+async def _check_everything(cluster: Cluster, load: Load) -> None:
+    survivor = cluster.urls[0]
+    async with httpx.AsyncClient(base_url=survivor, timeout=60) as http:
+        jwks = (await http.get("/.well-known/jwks.json")).json()
+        checkpoint = (await http.get("/v1/log/checkpoint")).json()
+        for tenant, tid in load.received:
+            doc = (await http.get(f"/v1/transcripts/{tid}", headers={"Authorization": f"Bearer {load.keys[tenant]}"},
+                                  params={"include_content": "true"})).json()
+            report = verify_document(doc, jwks)
+            assert report.ok, report.render()
+    assert len([k for k in jwks["keys"] if k["role"] == "checkpoint"]) == 1  # one shared key ring
+
+    url = cluster.database_url
+    leaves = await _rows(url, 'SELECT "index", leaf_hash, entry, kind, transcript_id FROM log_leaves ORDER BY "index"')
+    assert [row[0] for row in leaves] == list(range(len(leaves)))
+    hashes = [bytes(row[1]) for row in leaves]
+    assert checkpoint["tree_size"] == len(leaves)
+    assert independent.mth(hashes) == base64.b64decode(checkpoint["root_hash"])
+    for size, root in await _rows(url, "SELECT tree_size, root_hash FROM log_checkpoints"):
+        assert independent.mth(hashes[:size]) == bytes(root), f"checkpoint {size} is not a prefix of the log"
+
+    rows = await _rows(url, "SELECT id, tenant, sequence, previous_digest, payload_digest, log_index, envelope "
+                            "FROM transcripts ORDER BY tenant, sequence")
+    assert {row[0] for row in rows} >= {tid for _, tid in load.received}
+    assert sorted(row[5] for row in rows) == sorted(r[0] for r in leaves if r[3] == "transcript")
+    for tenant in TENANTS:
+        chain = [row for row in rows if row[1] == tenant]
+        assert [row[2] for row in chain] == list(range(1, len(chain) + 1)), tenant
+        assert [row[3] for row in chain] == [None, *(row[4] for row in chain[:-1])], tenant
+    for row in rows:
+        envelope = json.loads(row[6])
+        payload = independent.verify_dsse(envelope, jwks)
+        assert hashlib.sha256(payload).hexdigest() == row[4]
+        assert independent.envelope_digest(envelope) == bytes(leaves[row[5]][2])
+
+
+# --- shared sessions and rate limits -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def two_apps(pg_settings: Settings) -> AsyncIterator[tuple[LiveServer, LiveServer]]:
+    settings = replace(pg_settings, redis_url=redis_url(), rate_limit_per_second=0.05, rate_limit_burst=4)
+    keys = {name: await make_key(settings, "acme", "auditor") for name in ("console", "limited")}
+    async with serving(settings, FakeAsyncEngine(), {}) as a, serving(with_port(settings), FakeAsyncEngine(), {}) as b:
+        a.keys.update(keys)
+        yield a, b
+
+
+async def test_console_sessions_and_rate_limits_are_shared(two_apps: tuple[LiveServer, LiveServer]) -> None:
+    a, b = two_apps
+    key = a.keys["console"]
+    async with httpx.AsyncClient() as http:
+        signed_in = await http.post(f"{a.url}/ui/login", data={"api_key": key})
+        assert signed_in.status_code == 303, signed_in.text
+        token = signed_in.cookies["verbatim_console"]
+        cookie = {"Cookie": f"verbatim_console={token}"}
+        page = await http.get(f"{b.url}/ui/transcripts", headers=cookie)
+        assert page.status_code == 200 and "transcripts" in page.text.lower(), page.text[:300]
+        stored = await _redis_values(a.services.redis)
+        assert stored and all(key.encode() not in v and token.encode() not in v for v in stored)
+        await http.post(f"{b.url}/ui/logout", headers=cookie)
+        after = await http.get(f"{a.url}/ui/transcripts", headers=cookie)
+        assert after.status_code == 303 and after.headers["location"] == "/ui/login"
+        limited = {"Authorization": f"Bearer {a.keys['limited']}"}
+        statuses = [(await http.get(f"{(a, b)[i % 2].url}/v1/transcripts", headers=limited)).status_code
+                    for i in range(6)]
+    assert statuses == [200] * 4 + [429] * 2, statuses  # one bucket of 4 for both replicas
+
+
+async def _redis_values(redis: Any) -> list[bytes]:
+    keys = [k async for k in redis.scan_iter("verbatim-console*")]
+    return [v for v in [await redis.get(k) for k in keys] if v is not None]
+
+
+async def test_replicas_started_together_migrate_once(replica_database: str, tmp_path: Path) -> None:
+    """Three ``migrate`` commands at once on an empty database: one applies, the others find it done."""
+    env = {"VERBATIM_DATABASE_URL": replica_database, "VERBATIM_DATA_DIR": str(tmp_path)}
+    results = await asyncio.gather(*(asyncio.to_thread(run_cli, "migrate", env=env) for _ in range(3)))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    assert await _rows(replica_database, "SELECT version_num FROM alembic_version") == [("0002",)]
