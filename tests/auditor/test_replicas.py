@@ -255,3 +255,75 @@ async def test_replicas_started_together_migrate_once(replica_database: str, tmp
     results = await asyncio.gather(*(asyncio.to_thread(run_cli, "migrate", env=env) for _ in range(3)))
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     assert await _rows(replica_database, "SELECT version_num FROM alembic_version") == [("0002",)]
+
+
+# --- backup and restore -------------------------------------------------------------------------------------
+
+
+def _dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+async def _complete(url: str, key: str, n: int) -> str:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": f"backup {n}", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        return response.json()["transcript"]["id"]
+
+
+@pytest.fixture
+def restored_database() -> Iterator[str]:
+    url = create_database(postgres_url(), "verbatim_replicas_restored")
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+async def test_backup_and_restore_with_the_log_checked(replica_database: str, restored_database: str,
+                                                       tmp_path: Path) -> None:
+    """The procedure of docs/replicas.md: pg_dump, pg_restore into a new database, start on it, then
+    check the restored log against a checkpoint kept from before (monitor) and verify a transcript.
+    A restore that lost published entries is caught by a monitor that saw them."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("pg_dump") or not shutil.which("pg_restore"):
+        pytest.skip("pg_dump / pg_restore not installed")
+    cluster = Cluster(replica_database, tmp_path / "data", None)
+    restored_url = restored_database
+    try:
+        await asyncio.to_thread(cluster.start, 1)
+        key = await asyncio.to_thread(cluster.create_key, "acme")
+        ids = [await _complete(cluster.urls[0], key, n) for n in range(6)]
+        async with httpx.AsyncClient(base_url=cluster.urls[0]) as http:
+            (tmp_path / "jwks.json").write_text((await http.get("/.well-known/jwks.json")).text)
+        monitor = ["monitor", "--jwks", str(tmp_path / "jwks.json"), "--once"]
+        kept = run_cli(*monitor, cluster.urls[0], "--state", str(tmp_path / "before.json"))
+        assert kept.returncode == 0, kept.stderr
+        dump = subprocess.run(["pg_dump", "-Fc", "-d", _dsn(replica_database), "-f", str(tmp_path / "log.dump")],
+                              capture_output=True, text=True)
+        assert dump.returncode == 0, dump.stderr
+        await _complete(cluster.urls[0], key, 6)  # published after the backup: lost by the restore
+        later = run_cli(*monitor, cluster.urls[0], "--state", str(tmp_path / "after.json"))
+        assert later.returncode == 0 and "size 7" in later.stdout, later.stdout
+        cluster.stop()
+
+        restore = subprocess.run(["pg_restore", "--no-owner", "-d", _dsn(restored_url), str(tmp_path / "log.dump")],
+                                 capture_output=True, text=True)
+        assert restore.returncode == 0, restore.stderr
+        restored = Cluster(restored_url, tmp_path / "data", None)
+        await asyncio.to_thread(restored.start, 1)
+        try:
+            checked = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "before.json"))
+            assert checked.returncode == 0 and "size 6" in checked.stdout, checked.stdout + checked.stderr
+            async with httpx.AsyncClient(base_url=restored.urls[0], headers={"Authorization": f"Bearer {key}"}) as http:
+                (tmp_path / "doc.json").write_text((await http.get(f"/v1/transcripts/{ids[0]}")).text)
+            verified = run_cli("verify", str(tmp_path / "doc.json"), "--jwks", str(tmp_path / "jwks.json"))
+            assert verified.returncode == 0, verified.stdout
+            shrunk = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "after.json"))
+            assert shrunk.returncode == 1 and "the log shrank from size 7 to 6" in shrunk.stderr, shrunk.stderr
+        finally:
+            restored.stop()
+    finally:
+        cluster.stop()
