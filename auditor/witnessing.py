@@ -66,7 +66,6 @@ class WitnessPool:
         self.timeout = timeout
         self._on_result = on_result or (lambda witness, outcome: None)
         self._locks = {e.key.name: asyncio.Lock() for e in self.endpoints}
-        self._known: dict[str, int] = {}
         self._refused: dict[str, int] = {}
         """Per witness, the checkpoint size it last refused: not submitted again (a new one will be)."""
         self._task: asyncio.Task[None] | None = None
@@ -148,9 +147,7 @@ class WitnessPool:
             if checkpoint is None or self._refused.get(name) == checkpoint.tree_size or \
                     await repository.has_cosignature(session, checkpoint.tree_size, name):
                 return
-            old = self._known.get(name)
-            if old is None:
-                old = await repository.latest_cosigned_size(session, name) or 0
+            old = await repository.latest_cosigned_size(session, name) or 0
             answer = await self._submit(session, endpoint, old, checkpoint)
             if answer.conflict_size is not None and answer.conflict_size != old:
                 old = answer.conflict_size
@@ -193,7 +190,6 @@ class WitnessPool:
         await repository.add_cosignature(session, CheckpointCosignature(
             tree_size=checkpoint.tree_size, witness=name, timestamp=valid[0].timestamp,
             signature_line=valid[0].line, created_at=dt.datetime.now(dt.UTC)))
-        self._known[name] = checkpoint.tree_size
         self._on_result(name, "cosigned")
 
     def _refusal(self, endpoint: WitnessEndpoint, checkpoint: LogCheckpoint, old: int, answer: Answer) -> None:

@@ -382,3 +382,39 @@ async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[st
             return job
         await asyncio.sleep(0.1)
     raise AssertionError(f"replay {job_id} did not finish: {job}")
+
+
+# --- witnessing from several replicas ------------------------------------------------------------------------
+
+
+async def test_two_replicas_share_one_witness(pg_settings: Settings, tmp_path: Path) -> None:
+    """Both apps submit to the same witness (one at a time, by an advisory lock per witness): every
+    submission is cosigned or answered with the witness's newer size, never refused as inconsistent."""
+    import re
+
+    from auditor.crypto import KeyRing
+    from tests.auditor.test_witness_live import ORIGIN, start_witness
+
+    (tmp_path / "jwks.json").write_text(json.dumps(KeyRing.open(pg_settings.keys_dir).jwks()))
+    witness, url, vkey = start_witness(tmp_path, tmp_path / "jwks.json")
+    settings = replace(pg_settings, log_origin=ORIGIN, witnesses=((url, vkey),), witness_interval=0.05)
+    key = await make_key(settings, "acme", "client")
+    try:
+        async with serving(settings, FakeAsyncEngine(), {}) as a, \
+                serving(with_port(settings), FakeAsyncEngine(), {}) as b:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+                for n in range(12):
+                    body = {"model": MODEL, "prompt": f"witnessed {n}", "max_tokens": 4}
+                    assert (await http.post(f"{(a, b)[n % 2].url}/v1/completions", json=body)).status_code == 200
+                    await asyncio.sleep(0.03)
+                notes = [(await http.get(f"{app.url}/v1/log/checkpoint", params={"witnessed": "true"})).json()
+                         for app in (a, b)]
+                metrics = [(await http.get(f"{app.url}/metrics")).text for app in (a, b)]
+    finally:
+        witness.stop()
+    assert [n["tree_size"] for n in notes] == [12, 12]
+    assert all(independent.cosignatures(n["note"], vkey) for n in notes)
+    cosigned = [re.search(r'outcome="cosigned"[^}]*\} (\d+)', m) for m in metrics]
+    assert all(cosigned) and sum(int(c.group(1)) for c in cosigned) >= 2, metrics
+    assert not any('outcome="refused"' in m for m in metrics)
+    assert not (tmp_path / "witness" / "evidence.jsonl").exists()
