@@ -233,7 +233,7 @@ async def test_console_sessions_and_rate_limits_are_shared(two_apps: tuple[LiveS
         cookie = {"Cookie": f"verbatim_console={token}"}
         page = await http.get(f"{b.url}/ui/transcripts", headers=cookie)
         assert page.status_code == 200 and "transcripts" in page.text.lower(), page.text[:300]
-        stored = await _redis_values(a.services.redis)
+        stored = await _redis_values(a.settings.redis_url)
         assert stored and all(key.encode() not in v and token.encode() not in v for v in stored)
         await http.post(f"{b.url}/ui/logout", headers=cookie)
         after = await http.get(f"{a.url}/ui/transcripts", headers=cookie)
@@ -244,9 +244,16 @@ async def test_console_sessions_and_rate_limits_are_shared(two_apps: tuple[LiveS
     assert statuses == [200] * 4 + [429] * 2, statuses  # one bucket of 4 for both replicas
 
 
-async def _redis_values(redis: Any) -> list[bytes]:
-    keys = [k async for k in redis.scan_iter("verbatim-console*")]
-    return [v for v in [await redis.get(k) for k in keys] if v is not None]
+async def _redis_values(url: str) -> list[bytes]:
+    """Every console session value in Redis (a client of the test's own event loop)."""
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(url)
+    try:
+        keys = [k async for k in redis.scan_iter("verbatim-console*")]
+        return [v for v in [await redis.get(k) for k in keys] if v is not None]
+    finally:
+        await redis.aclose()
 
 
 async def test_replicas_started_together_migrate_once(replica_database: str, tmp_path: Path) -> None:
