@@ -109,14 +109,14 @@ class WitnessPool:
         """Ask every witness, concurrently, to cosign the latest checkpoint it has not cosigned."""
         await asyncio.gather(*(self._guarded(e) for e in self.endpoints))
 
-    async def ensure_witnessed(self) -> int:
-        """A checkpoint size at least as large as the latest checkpoint when called, with a quorum of
-        cosignatures (the witnesses are asked now); raises ``WitnessingError`` after ``timeout`` seconds."""
+    async def ensure_witnessed(self, min_size: int = 0) -> int:
+        """A checkpoint size at least ``min_size`` and at least the latest checkpoint's when called, with a
+        quorum of cosignatures (the witnesses are asked now); raises ``WitnessingError`` after ``timeout``."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout
         async with self._sessionmaker() as session:
             latest = await repository.latest_checkpoint(session)
-        wanted = latest.tree_size if latest is not None else 0
+        wanted = max(min_size, latest.tree_size if latest is not None else 0)
         while True:
             await self.round()
             async with self._sessionmaker() as session:

@@ -49,14 +49,14 @@ class Services:
         return self.completions
 
 
-async def witnessed_size(services: Services) -> int:
-    """For ``?witnessed=true``: a checkpoint size, at least the latest when asked, that a quorum of the
-    configured witnesses cosigned (they are asked now if needed)."""
+async def witnessed_size(services: Services, min_size: int = 0) -> int:
+    """For ``?witnessed=true``: a checkpoint size, at least ``min_size`` and the latest when asked, that a
+    quorum of the configured witnesses cosigned (they are asked now if needed)."""
     if services.witnesses is None:
         raise ApiError(400, "witnessed=true needs witnesses: none is configured (VERBATIM_WITNESSES)",
                        param="witnessed", code="no_witnesses")
     try:
-        return await services.witnesses.ensure_witnessed()
+        return await services.witnesses.ensure_witnessed(min_size)
     except WitnessingError as exc:
         raise ApiError(503, f"witnesses unavailable: {exc}", code="witness_unavailable",
                        headers={"Retry-After": "5"}) from None
