@@ -8,6 +8,7 @@ loaded by the app in the background at startup (``/readyz`` answers 503 until it
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -15,6 +16,8 @@ from typing import Any
 
 from litestar import Litestar
 from litestar.di import Provide
+from litestar.stores.base import Store
+from litestar.stores.memory import MemoryStore
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from auditor.auth import Authenticator
@@ -23,12 +26,13 @@ from auditor.db.session import create_engine, create_sessionmaker
 from auditor.errors import exception_handlers
 from auditor.ledger import Ledger
 from auditor.metrics import Metrics
-from auditor.ratelimit import RateLimiter
+from auditor.ratelimit import Limiter, RateLimiter, RedisRateLimiter
 from auditor.replay import ReplayService
 from auditor.routes import default_route_handlers
 from auditor.routes.deps import Services
 from auditor.service import CompletionService
 from auditor.settings import Settings
+from auditor.witnessing import WitnessPool
 
 log = logging.getLogger("auditor.http")
 
@@ -36,7 +40,11 @@ EngineLoader = Callable[[Settings], Any]
 
 
 def load_engine(settings: Settings) -> Any:
-    """Build the real engine (blocking: loads and dequantizes the model)."""
+    """Build the real engine (blocking: loads and dequantizes the model), or the one
+    ``settings.engine_factory`` (``module:callable``) builds from the settings."""
+    if settings.engine_factory:
+        module, _, name = settings.engine_factory.partition(":")
+        return getattr(importlib.import_module(module), name)(settings)
     from engine import AsyncEngine, EngineConfig
 
     return AsyncEngine(EngineConfig(model=settings.model, device=settings.device, **dict(settings.engine_options)))
@@ -48,13 +56,37 @@ def build_services(settings: Settings) -> Services:
     keyring = KeyRing.open(settings.keys_dir)
     holder: dict[str, Services] = {}
     metrics = Metrics(lambda: holder["services"].engine.stats() if holder["services"].engine else None)
+    redis, limiter, session_store = _shared_state(settings)
+    ledger = Ledger(sessionmaker, keyring, settings.log_origin)
     services = Services(
-        settings=settings, db=db, sessionmaker=sessionmaker, keyring=keyring,
-        ledger=Ledger(sessionmaker, keyring, settings.log_origin),
-        authenticator=Authenticator(sessionmaker, RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst)),
-        metrics=metrics)
+        settings=settings, db=db, sessionmaker=sessionmaker, keyring=keyring, ledger=ledger,
+        authenticator=Authenticator(sessionmaker, limiter), metrics=metrics, session_store=session_store,
+        redis=redis, witnesses=WitnessPool.from_settings(settings, sessionmaker, ledger, metrics.witness_result))
     holder["services"] = services
     return services
+
+
+def _shared_state(settings: Settings) -> tuple[Any, Limiter, Store]:
+    """Rate limits and console sessions: in this process, or in Redis for every replica."""
+    if not settings.redis_url:
+        return None, RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst), MemoryStore()
+    from litestar.stores.redis import RedisStore
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(settings.redis_url)
+    limiter = RedisRateLimiter(redis, settings.rate_limit_per_second, settings.rate_limit_burst)
+    return redis, limiter, RedisStore(redis, namespace="verbatim-console")
+
+
+async def _reload_keys(services: Services) -> None:
+    """Keys rotated by another process sharing the key directory (``signing-keys rotate``)."""
+    while True:
+        await asyncio.sleep(services.settings.key_reload_interval)
+        try:
+            if await asyncio.to_thread(services.keyring.reload_if_changed):
+                log.info("signing keys reloaded", extra={"event": "keys_reloaded"})
+        except Exception:  # noqa: BLE001 - keep serving with the keys held; retried next interval
+            log.exception("reloading the signing keys failed")
 
 
 def attach_engine(services: Services, engine: Any) -> None:
@@ -96,9 +128,14 @@ def create_app(
         else:
             background.append(asyncio.create_task(_load_and_start(services, engine_loader)))
         ReplayService.for_app(app).start()
+        background.append(asyncio.create_task(_reload_keys(services)))
+        if services.witnesses is not None:
+            services.witnesses.start()
 
     async def shutdown() -> None:
         await ReplayService.for_app(app).stop()
+        if services.witnesses is not None:
+            await services.witnesses.stop()
         for task in background:
             task.cancel()
         if services.completions is not None:
@@ -106,6 +143,8 @@ def create_app(
         if engine is None and services.engine is not None:
             await services.engine.shutdown()
         await services.db.dispose()
+        if services.redis is not None:
+            await services.redis.aclose()
 
     app = Litestar(
         route_handlers=[*default_route_handlers(), *routes],

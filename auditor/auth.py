@@ -18,7 +18,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from auditor import repository
 from auditor.db.models import ApiKey, Role
 from auditor.errors import ApiError
-from auditor.ratelimit import RateLimiter
+from auditor.ratelimit import Limiter
 
 KEY_PREFIX = "vbk_"
 
@@ -79,7 +79,7 @@ def bearer_secret(authorization: str | None) -> str:
 class Authenticator:
     """Resolves the request's key to a ``Principal`` and applies the per-key rate limit."""
 
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], limiter: RateLimiter) -> None:
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], limiter: Limiter) -> None:
         self._sessionmaker = sessionmaker
         self._limiter = limiter
 
@@ -89,7 +89,7 @@ class Authenticator:
             row = await repository.api_key_by_hash(session, digest)
         if row is None or row.revoked_at is not None:
             raise ApiError(401, "invalid or revoked API key", code="invalid_api_key")
-        wait = self._limiter.acquire(row.id)
+        wait = await self._limiter.take(row.id)
         if wait is not None:
             raise ApiError(429, f"rate limit exceeded for key {row.id}; retry in {wait:.2f}s",
                            code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})

@@ -34,6 +34,29 @@ def _db_flags(parser: argparse.ArgumentParser) -> None:
                         "(default: SQLite file in the data directory; env VERBATIM_DATABASE_URL)")
 
 
+def _witness_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--witness", action="append", default=[], metavar="VKEY",
+                        help="a witness cosigner vkey (C2SP tlog-cosignature); repeatable. Default: the witnesses "
+                        "of VERBATIM_WITNESSES. With any, the checkpoint must carry their cosignatures")
+    parser.add_argument("--witness-quorum", type=int, metavar="N",
+                        help="cosignatures required (default: every witness given)")
+
+
+def witness_keys_from(args: argparse.Namespace, settings: Settings) -> tuple[list[Any], int]:
+    """``(cosigner keys, quorum)`` from ``--witness``/``--witness-quorum``, else from the settings."""
+    from auditor.cosignature import CosignerKey
+
+    if args.witness:
+        keys = [CosignerKey.parse(v) for v in args.witness]
+    else:
+        keys = [key for _, key in settings.witness_keys()]
+    quorum = args.witness_quorum if args.witness_quorum is not None else (
+        settings.required_cosignatures if not args.witness else len(keys))
+    if keys and not 1 <= quorum <= len(keys):
+        raise ValueError(f"--witness-quorum must be in 1..{len(keys)}, got {quorum}")
+    return keys, quorum
+
+
 def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
     overrides = {k: getattr(args, k, None) for k in ("host", "port", "data_dir", "database_url")}
     return Settings.from_env(os.environ if env is None else env, **overrides)
@@ -63,6 +86,7 @@ async def bootstrap_admin(settings: Settings) -> str | None:
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
     try:
         async with create_sessionmaker(db)() as session, session.begin():
+            await repository.lock(session, "verbatim-bootstrap-admin")
             if await repository.count_admin_keys(session):
                 return None
             _, secret = await auth.create_key(session, BOOTSTRAP_TENANT, Role.ADMIN, "bootstrap admin")
@@ -162,6 +186,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="transcript document (GET /v1/transcripts/{id}) or bundle entry")
     parser.add_argument("--jwks", help="JWKS file or http(s) URL (default: this server's keys in the data dir)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _witness_flags(parser)
     _db_flags(parser)
     parser.set_defaults(run=verify)
 
@@ -187,12 +212,20 @@ def load_jwks(source: str | None, settings: Settings) -> dict[str, Any]:
 def verify(args: argparse.Namespace) -> int:
     from auditor.verify import verify_file
 
+    from auditor.cosignature import CosignatureError
+
+    settings = settings_from(args)
     try:
-        jwks = load_jwks(args.jwks, settings_from(args))
+        jwks = load_jwks(args.jwks, settings)
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the JWKS: {exc}", file=sys.stderr)
         return 2
-    report = verify_file(args.file, jwks)
+    try:
+        witnesses, quorum = witness_keys_from(args, settings)
+    except (ValueError, CosignatureError) as exc:
+        print(f"error: witnesses: {exc}", file=sys.stderr)
+        return 2
+    report = verify_file(args.file, jwks, witnesses=witnesses, quorum=quorum)
     print(json.dumps(report.to_json(), indent=2) if args.json else report.render())
     return 0 if report.ok else 1
 
@@ -216,20 +249,54 @@ def run_migrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _signing_keys_parser(parser: argparse.ArgumentParser) -> None:
+    from auditor.crypto import KeyRole
+
+    sub = parser.add_subparsers(dest="signing_keys_command", required=True)
+    listing = sub.add_parser("list", help="list the signing keys (kid, role, status; public facts only)")
+    _db_flags(listing)
+    listing.set_defaults(run=signing_keys_list)
+    rotate = sub.add_parser("rotate", help="retire a role's active key and create a new one (old ones stay "
+                            "published); running servers sharing the key directory pick it up")
+    rotate.add_argument("--role", required=True, choices=[r.value for r in KeyRole])
+    _db_flags(rotate)
+    rotate.set_defaults(run=signing_keys_rotate)
+
+
+def signing_keys_list(args: argparse.Namespace) -> int:
+    from auditor.crypto import KeyRing
+
+    for jwk in KeyRing.open(settings_from(args).keys_dir).jwks()["keys"]:
+        print(f"{jwk['kid']}\t{jwk['role']}\t{jwk['status']}")
+    return 0
+
+
+def signing_keys_rotate(args: argparse.Namespace) -> int:
+    from auditor.crypto import KeyRing
+
+    signer = KeyRing.open(settings_from(args).keys_dir).rotate(args.role)
+    print(f"rotated {signer.role.value}: new active key {signer.kid}")
+    return 0
+
+
 SUBCOMMANDS: list[Command] = [
     ("serve", "migrate, create keys, and serve the API", _serve_parser),
     ("keys", "manage API keys", _keys_parser),
     ("verify", "verify a transcript document offline with public keys only", _verify_parser),
     ("migrate", "apply database migrations", _migrate_parser),
+    ("signing-keys", "list or rotate the Ed25519 signing keys", _signing_keys_parser),
 ]
 
 
 def plugin_commands() -> list[Command]:
     """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge)."""
-    from auditor import replay_cli
+    from auditor import monitor, replay_cli
     from auditor.reports.cli import COMMANDS
+    from auditor.witness import cli as witness_cli
 
-    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS]
+    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS,
+            ("witness", "run a C2SP tlog-witness that cosigns consistent checkpoints", witness_cli.configure),
+            ("monitor", "follow a log's checkpoints and fail loudly on any inconsistency", monitor.configure)]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -328,6 +328,7 @@ class KeyRing:
         self.key_dir = key_dir
         self._entries = entries
         self._signers = signers
+        self._stamp = _manifest_stamp(key_dir)
 
     @classmethod
     def open(cls, key_dir: Path | str) -> KeyRing:
@@ -354,6 +355,26 @@ class KeyRing:
         self._entries.append(_KeyEntry(signer.kid, signer.role, KeyStatus.ACTIVE, b64url(signer.public_raw), _now()))
         self._signers[signer.role] = signer
         _write_manifest(self.key_dir, self._entries)
+        self._stamp = _manifest_stamp(self.key_dir)
+
+    def reload_if_changed(self) -> bool:
+        """Pick up keys another process rotated in the same (shared) directory; True if anything changed.
+
+        Several server processes sharing one key directory converge on the new active key within one
+        reload interval; until then the others sign with the retired key, which stays verifiable.
+        """
+        if _manifest_stamp(self.key_dir) == self._stamp:
+            return False
+        with _locked(self.key_dir):
+            stamp = _manifest_stamp(self.key_dir)
+            entries = _read_manifest(self.key_dir)
+            signers = dict(self._signers)
+            for entry in entries:
+                current = signers.get(entry.role)
+                if entry.status is KeyStatus.ACTIVE and (current is None or current.kid != entry.kid):
+                    signers[entry.role] = self._load(entry)
+        self._entries, self._signers, self._stamp = entries, signers, stamp
+        return True
 
     def signer(self, role: KeyRole) -> Signer:
         """The active signer of ``role``."""
@@ -363,7 +384,8 @@ class KeyRing:
         """Retire the active key of ``role`` (its public key stays published) and make a new one.
 
         Other processes holding an open ``KeyRing`` keep signing with the retired key until they
-        reopen it; their signatures stay verifiable because retired keys remain in the JWKS.
+        reopen it or ``reload_if_changed`` sees the change; their signatures stay verifiable because
+        retired keys remain in the JWKS.
         """
         role = KeyRole(role)
         with _locked(self.key_dir):
@@ -400,6 +422,14 @@ def _locked(key_dir: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def _manifest_stamp(key_dir: Path) -> tuple[int, int] | None:
+    try:
+        st = (key_dir / MANIFEST).stat()
+    except FileNotFoundError:
+        return None
+    return st.st_mtime_ns, st.st_size
+
+
 def _read_manifest(key_dir: Path) -> list[_KeyEntry]:
     path = key_dir / MANIFEST
     if not path.exists():
@@ -416,3 +446,35 @@ def _write_manifest(key_dir: Path, entries: list[_KeyEntry]) -> None:
     tmp = key_dir / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps({"keys": [e.to_json() for e in entries]}, indent=2) + "\n")
     os.replace(tmp, key_dir / MANIFEST)
+
+
+# --- sealed values (secrets kept in a shared store) ---------------------------------------------------
+
+
+def derive_key(secret: bytes, info: bytes) -> bytes:
+    """A 32-byte key from a high-entropy ``secret`` (HKDF-SHA256, no salt), domain-separated by ``info``."""
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+def seal(key: bytes, plaintext: bytes, aad: bytes) -> bytes:
+    """AES-256-GCM: ``nonce (12 bytes) ‖ ciphertext ‖ tag``."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    nonce = os.urandom(12)
+    return nonce + AESGCM(key).encrypt(nonce, plaintext, aad)
+
+
+def unseal(key: bytes, sealed: bytes, aad: bytes) -> bytes | None:
+    """Inverse of ``seal``; ``None`` if the value was not sealed with ``key`` and ``aad`` or was altered."""
+    from cryptography.exceptions import InvalidTag
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    if len(sealed) < 12 + 16:
+        return None
+    try:
+        return AESGCM(key).decrypt(sealed[:12], sealed[12:], aad)
+    except InvalidTag:
+        return None

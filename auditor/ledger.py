@@ -25,6 +25,7 @@ from auditor.checkpoint import Checkpoint, sign_checkpoint
 from auditor.crypto import KeyRing, KeyRole
 from auditor.db.models import LeafKind, LogCheckpoint, LogLeaf, Transcript, TranscriptContent
 from auditor.transcript import SignedTranscript, TranscriptInputs, sign_transcript
+from auditor.witnessing import with_cosignatures
 
 
 @dataclass(frozen=True)
@@ -129,11 +130,21 @@ class Ledger:
     # --- reading -------------------------------------------------------------------------------------
 
     async def checkpoint(self, session: AsyncSession) -> SignedCheckpoint:
-        """The latest committed checkpoint (an empty log gets a freshly signed size-0 checkpoint)."""
+        """The latest committed checkpoint with the witnesses' stored cosignatures (an empty log gets a
+        freshly signed size-0 checkpoint)."""
         row = await repository.latest_checkpoint(session)
         if row is None:
             return self._sign(0, merkle.EMPTY_ROOT)
-        return SignedCheckpoint(row.tree_size, bytes(row.root_hash), row.note)
+        return SignedCheckpoint(row.tree_size, bytes(row.root_hash),
+                                await with_cosignatures(session, row.tree_size, row.note))
+
+    async def checkpoint_at(self, session: AsyncSession, tree_size: int) -> SignedCheckpoint | None:
+        """The stored checkpoint of ``tree_size`` with its cosignatures, if one was signed."""
+        row = await repository.checkpoint_at(session, tree_size)
+        if row is None:
+            return None
+        return SignedCheckpoint(row.tree_size, bytes(row.root_hash),
+                                await with_cosignatures(session, row.tree_size, row.note))
 
     async def tree_for(self, session: AsyncSession, size: int) -> merkle.MerkleTree:
         """A tree holding at least ``size`` committed leaves (proofs must name a size)."""

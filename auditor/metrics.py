@@ -66,7 +66,13 @@ class Metrics:
                                    ["api", "deterministic", "status"], registry=self.registry)
         self.tokens = Counter("verbatim_tokens", "Tokens served, by kind (prompt / completion)",
                               ["kind"], registry=self.registry)
+        self.witness = Counter("verbatim_witness_submissions", "Checkpoint submissions to witnesses, by outcome "
+                               "(cosigned, refused, unreachable, ahead, bad_cosignature, http_<status>, error)",
+                               ["witness", "outcome"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
+
+    def witness_result(self, witness: str, outcome: str) -> None:
+        self.witness.labels(witness, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,11 +47,14 @@ async def record_access(session: AsyncSession, principal: Principal, action: Acc
 
 
 async def transcript_document(session: AsyncSession, ledger: Ledger, keyring: KeyRing, principal: Principal,
-                              transcript_id: str, *, include_content: bool, verify: bool) -> dict[str, Any]:
+                              transcript_id: str, *, include_content: bool, verify: bool,
+                              at_size: int | None = None) -> dict[str, Any]:
+    """The ``verify`` document, proved against the latest checkpoint or the stored one of ``at_size``."""
     row = await repository.get_transcript(session, transcript_id)
     if row is None or row.tenant != principal.tenant:
         raise not_found(f"transcript {transcript_id!r} not found")
-    checkpoint = await ledger.checkpoint(session)
+    checkpoint = await ledger.checkpoint(session) if at_size is None else await ledger.checkpoint_at(session, at_size)
+    assert checkpoint is not None and row.log_index < checkpoint.tree_size, (at_size, row.log_index)
     proof = await ledger.inclusion_proof(session, row.log_index, checkpoint.tree_size)
     envelope = json.loads(row.envelope)
     content = await repository.get_content(session, row.id) if include_content else None

@@ -25,9 +25,11 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
   details; only a different verify shape (G, W) cannot run, because the recorded passes cannot be
   re-executed with another shape (``executed: false``).
 
-One replay worker per database: at start-up it takes back every ``running`` job, so run one server
-process per database (as ``make serve`` does). The job row and its log leaf are written in one
-``Ledger.transaction()``, so a crash leaves either a finished, logged job or a job that is rerun.
+Several server processes (replicas) may share one database: a worker claims queued jobs with
+``SELECT … FOR UPDATE SKIP LOCKED`` and holds a lease on them (``claimed_by``, ``lease_expires_at``),
+renewed while it runs; a ``running`` job whose lease has passed (its process died) is queued again by
+any worker. A worker that lost its lease does not commit. The job row and its log leaf are written in
+one ``Ledger.transaction()``, so a crash leaves either a finished, logged job or a job that is rerun.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ import dataclasses
 import datetime as dt
 import json
 import logging
+import os
+import secrets
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -70,6 +75,8 @@ MAX_BATCH = 32
 MAX_WAIT_SECONDS = 600.0
 POLL_SECONDS = 2.0
 """How often an idle worker looks for jobs queued by another process."""
+LEASE_SECONDS = 60.0
+"""A running job's lease; renewed every third of it while the job runs."""
 _ACTIVE = (ReplayStatus.QUEUED.value, ReplayStatus.RUNNING.value)
 _FINAL = (ReplayStatus.DONE.value, ReplayStatus.FAILED.value)
 
@@ -274,6 +281,10 @@ def job_json(job: ReplayJob) -> dict[str, Any]:
     }
 
 
+def _lease_end() -> dt.datetime:
+    return _now() + dt.timedelta(seconds=LEASE_SECONDS)
+
+
 def _now() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
 
@@ -298,6 +309,7 @@ class ReplayService:
         self._wake = asyncio.Event()
         self._finished: dict[str, asyncio.Event] = {}
         self._task: asyncio.Task[None] | None = None
+        self.worker_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
     @classmethod
     def for_app(cls, app: Any) -> ReplayService:
@@ -351,10 +363,11 @@ class ReplayService:
     async def wait(self, principal: Principal, replay_id: str, timeout: float = MAX_WAIT_SECONDS) -> dict[str, Any]:
         """The job once finished (or as it stands after ``timeout`` seconds)."""
         event = self._finished.setdefault(replay_id, asyncio.Event())
+        deadline = asyncio.get_running_loop().time() + timeout
         job = await self.get(principal, replay_id, record=False)
-        if job["status"] not in _FINAL:
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
+        while job["status"] not in _FINAL and asyncio.get_running_loop().time() < deadline:
+            try:  # finished here (the event) or by another server process (the poll)
+                await asyncio.wait_for(event.wait(), min(POLL_SECONDS, timeout))
             except TimeoutError:
                 pass
             job = await self.get(principal, replay_id, record=False)
@@ -375,17 +388,27 @@ class ReplayService:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
+            await self._release()
+
+    async def _release(self) -> None:
+        """On a clean stop, jobs this worker still holds go back to the queue at once (no lease wait)."""
+        try:
+            async with self.services.sessionmaker() as session, session.begin():
+                await session.execute(update(ReplayJob).where(
+                    ReplayJob.claimed_by == self.worker_id, ReplayJob.status == ReplayStatus.RUNNING.value)
+                    .values(status=ReplayStatus.QUEUED.value, claimed_by=None, lease_expires_at=None))
+        except Exception:  # noqa: BLE001 - the lease expires on its own
+            log.exception("releasing replay jobs failed")
 
     async def _work(self) -> None:
-        requeued = await self.requeue()
-        if requeued:
-            log.info("replay jobs requeued", extra={"event": "replay_requeued", "count": requeued})
+        await self.requeue()
         await self.services.engine_loaded.wait()
         if self.services.engine is None:
             log.error("replay worker idle: the engine failed to load (%s)", self.services.engine_error)
             return
         while True:
             try:
+                await self.requeue()
                 ran = await self.run_batch(await self._claim())
             except Exception:
                 log.exception("replay batch failed")
@@ -398,35 +421,55 @@ class ReplayService:
                 self._wake.clear()
 
     async def requeue(self) -> int:
-        """Jobs left ``running`` by a stopped process are queued again (their result was never committed)."""
+        """Jobs ``running`` under a lease that has passed (their process stopped or died; the result was
+        never committed) are queued again."""
         async with self.services.sessionmaker() as session, session.begin():
-            result = await session.execute(update(ReplayJob).where(ReplayJob.status == ReplayStatus.RUNNING.value)
-                                           .values(status=ReplayStatus.QUEUED.value))
-            return int(result.rowcount or 0)
+            expired = (ReplayJob.lease_expires_at.is_(None)) | (ReplayJob.lease_expires_at < _now())
+            result = await session.execute(
+                update(ReplayJob).where(ReplayJob.status == ReplayStatus.RUNNING.value, expired)
+                .values(status=ReplayStatus.QUEUED.value, claimed_by=None, lease_expires_at=None))
+            count = int(result.rowcount or 0)
+        if count:
+            log.info("replay jobs requeued", extra={"event": "replay_requeued", "count": count})
+        return count
 
     async def _claim(self, job_ids: Sequence[str] | None = None) -> list[str]:
-        """Mark up to ``max_batch`` queued jobs (oldest first, or the given ones) running."""
+        """Mark up to ``max_batch`` queued jobs (oldest first, or the given ones) running under this
+        worker's lease; rows another worker is claiming at the same moment are skipped."""
         async with self.services.sessionmaker() as session, session.begin():
             query = select(ReplayJob.id).where(ReplayJob.status == ReplayStatus.QUEUED.value)
             if job_ids is not None:
                 query = query.where(ReplayJob.id.in_(list(job_ids)))
             ids = list((await session.scalars(query.order_by(ReplayJob.created_at, ReplayJob.id)
-                                              .limit(self.max_batch))).all())
+                                              .limit(self.max_batch).with_for_update(skip_locked=True))).all())
             if ids:
-                await session.execute(update(ReplayJob).where(ReplayJob.id.in_(ids))
-                                      .values(status=ReplayStatus.RUNNING.value))
+                await session.execute(update(ReplayJob).where(ReplayJob.id.in_(ids)).values(
+                    status=ReplayStatus.RUNNING.value, claimed_by=self.worker_id, lease_expires_at=_lease_end()))
         return ids
+
+    async def _renew(self, job_ids: Sequence[str]) -> None:
+        while True:
+            await asyncio.sleep(LEASE_SECONDS / 3)
+            async with self.services.sessionmaker() as session, session.begin():
+                await session.execute(update(ReplayJob).where(
+                    ReplayJob.id.in_(list(job_ids)), ReplayJob.claimed_by == self.worker_id,
+                    ReplayJob.status == ReplayStatus.RUNNING.value).values(lease_expires_at=_lease_end()))
 
     async def run_batch(self, job_ids: Sequence[str]) -> int:
         """Replay ``job_ids`` (already ``running``) in one engine call and finish each job."""
         if not job_ids:
             return 0
         engine = self.services.engine
-        claimed = [await self._prepare_or_fail(job_id, engine) for job_id in job_ids]
-        runnable = [c for c in claimed if c.record is not None and c.outcome is None and c.error is None]
-        await self._execute(engine, runnable)
-        for c in claimed:
-            await self._finish(c, engine)
+        renewing = asyncio.get_running_loop().create_task(self._renew(job_ids))
+        try:
+            claimed = [await self._prepare_or_fail(job_id, engine) for job_id in job_ids]
+            runnable = [c for c in claimed if c.record is not None and c.outcome is None and c.error is None]
+            await self._execute(engine, runnable)
+            for c in claimed:
+                await self._finish(c, engine)
+        finally:
+            renewing.cancel()
+            await asyncio.gather(renewing, return_exceptions=True)
         return len(claimed)
 
     async def _prepare_or_fail(self, job_id: str, engine: Any) -> _Claimed:
@@ -501,6 +544,10 @@ class ReplayService:
         async with self.services.ledger.transaction() as session:
             job = await session.get(ReplayJob, claimed.job_id)
             assert job is not None, claimed.job_id
+            if job.status != ReplayStatus.RUNNING.value or job.claimed_by != self.worker_id:
+                log.warning("replay %s lost its lease (now %s by %s); result not committed", job.id, job.status,
+                            job.claimed_by, extra={"event": "replay_lease_lost"})
+                return
             if signed is not None:
                 job.log_index = await self.services.ledger.append_leaf(
                     session, signed.leaf_data, LeafKind.REPLAY_ATTESTATION, replay_job_id=job.id)
@@ -509,6 +556,7 @@ class ReplayService:
             job.status = ReplayStatus.DONE.value if signed is not None else ReplayStatus.FAILED.value
             job.error = claimed.error
             job.finished_at = _now()
+            job.lease_expires_at = None
 
     # --- CLI ----------------------------------------------------------------------------------------
 

@@ -86,6 +86,8 @@ async def _in_process(args: argparse.Namespace) -> dict[str, Any]:
         if engine is not None:
             await engine.shutdown()
         await services.db.dispose()
+        if services.redis is not None:
+            await services.redis.aclose()
 
 
 def render(job: dict[str, Any]) -> str:

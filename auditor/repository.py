@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from auditor.db.models import (
     AccessLogEntry,
     ApiKey,
+    CheckpointCosignature,
     LogCheckpoint,
     LogLeaf,
     Transcript,
@@ -150,6 +151,51 @@ async def latest_checkpoint(session: AsyncSession) -> LogCheckpoint | None:
 
 async def checkpoint_at(session: AsyncSession, tree_size: int) -> LogCheckpoint | None:
     return await session.get(LogCheckpoint, tree_size)
+
+
+async def cosignature_lines(session: AsyncSession, tree_size: int) -> list[str]:
+    """The witnesses' signature lines stored for the checkpoint of ``tree_size``, by witness name."""
+    rows = await session.scalars(select(CheckpointCosignature.signature_line)
+                                 .where(CheckpointCosignature.tree_size == tree_size)
+                                 .order_by(CheckpointCosignature.witness))
+    return list(rows.all())
+
+
+async def has_cosignature(session: AsyncSession, tree_size: int, witness: str) -> bool:
+    return await session.get(CheckpointCosignature, (tree_size, witness)) is not None
+
+
+async def latest_cosigned_size(session: AsyncSession, witness: str) -> int | None:
+    return await session.scalar(select(func.max(CheckpointCosignature.tree_size))
+                                .where(CheckpointCosignature.witness == witness))
+
+
+async def latest_witnessed_size(session: AsyncSession, witnesses: Sequence[str], quorum: int) -> int | None:
+    """The largest checkpoint size cosigned by at least ``quorum`` of ``witnesses``."""
+    query = (select(CheckpointCosignature.tree_size).where(CheckpointCosignature.witness.in_(list(witnesses)))
+             .group_by(CheckpointCosignature.tree_size).having(func.count() >= quorum)
+             .order_by(CheckpointCosignature.tree_size.desc()).limit(1))
+    return await session.scalar(query)
+
+
+async def add_cosignature(session: AsyncSession, row: CheckpointCosignature) -> None:
+    session.add(row)
+    await session.flush()
+
+
+async def lock(session: AsyncSession, name: str) -> None:
+    """Wait for the PostgreSQL advisory lock named ``name``, held to the end of the transaction
+    (server processes starting together do one-time set-up one at a time); a no-op on SQLite."""
+    if session.bind.dialect.name == "postgresql":
+        await session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+
+
+async def try_lock(session: AsyncSession, name: str) -> bool:
+    """A PostgreSQL advisory lock named ``name`` for the rest of the transaction, if free (one server
+    process at a time does the named work); always granted on SQLite (one process per database)."""
+    if session.bind.dialect.name != "postgresql":
+        return True
+    return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(hashtext(:name))"), {"name": name}))
 
 
 async def leaf_for_entry(session: AsyncSession, entry: bytes) -> LogLeaf | None:

@@ -44,6 +44,22 @@ class Settings:
     """On first start with no admin key, create one and print it once."""
     engine_options: Mapping[str, Any] = field(default_factory=dict)
     """Extra ``EngineConfig`` keyword arguments, e.g. ``VERBATIM_ENGINE_OPTIONS='{"window": 16, "group": 8}'``."""
+    engine_factory: str | None = None
+    """``module:callable`` building the engine from the ``Settings`` instead of ``engine.AsyncEngine``
+    (tests run several server processes on a small fake engine this way)."""
+    witnesses: tuple[tuple[str, str], ...] = ()
+    """C2SP tlog-witnesses asked to cosign each new checkpoint: ``(submission URL, cosigner vkey)`` pairs;
+    ``VERBATIM_WITNESSES='[{"url": "http://w1:8090", "vkey": "w1.example+1a2b3c4d+BA…"}]'``."""
+    witness_quorum: int = 0
+    """Cosignatures a checkpoint needs to count as witnessed (``?witnessed=true``); 0 means every witness."""
+    witness_interval: float = 1.0
+    """Seconds between two checks for a checkpoint the witnesses have not cosigned yet."""
+    witness_timeout: float = 10.0
+    """Seconds one witness request (and a ``?witnessed=true`` wait) may take."""
+    redis_url: str | None = None
+    """``redis://host:port/db``: console sessions and rate limits shared by every replica (else in memory)."""
+    key_reload_interval: float = 5.0
+    """Seconds between checks of the key directory for keys rotated by another process."""
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:
@@ -58,6 +74,31 @@ class Settings:
             raise ValueError(
                 f"rate limit must be positive, got {self.rate_limit_per_second}/s burst {self.rate_limit_burst}"
             )
+        self.witness_keys()
+        if not 0 <= self.witness_quorum <= len(self.witnesses):
+            raise ValueError(f"witness_quorum must be in 0..{len(self.witnesses)} (the witnesses configured), "
+                             f"got {self.witness_quorum}")
+        if self.witness_interval <= 0 or self.witness_timeout <= 0 or self.key_reload_interval <= 0:
+            raise ValueError(f"witness_interval, witness_timeout and key_reload_interval must be > 0, got "
+                             f"{self.witness_interval}, {self.witness_timeout}, {self.key_reload_interval}")
+
+    def witness_keys(self) -> list[tuple[str, Any]]:
+        """``(url, CosignerKey)`` per configured witness; raises ``ValueError`` naming a bad one."""
+        from auditor.cosignature import CosignatureError, CosignerKey
+
+        out = []
+        for i, (url, vkey) in enumerate(self.witnesses):
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"witnesses[{i}].url must be an http(s) URL, got {url!r}")
+            try:
+                out.append((url, CosignerKey.parse(vkey)))
+            except CosignatureError as exc:
+                raise ValueError(f"witnesses[{i}].vkey: {exc}") from None
+        return out
+
+    @property
+    def required_cosignatures(self) -> int:
+        return self.witness_quorum or len(self.witnesses)
 
     @property
     def resolved_database_url(self) -> str:
@@ -79,6 +120,10 @@ class Settings:
                 if raw is not None:
                     values[f.name] = _json_object(raw)
                 continue
+            if f.name == "witnesses":
+                if raw is not None:
+                    values[f.name] = _witness_list(raw)
+                continue
             if raw is not None:
                 values[f.name] = _coerce(f.name, raw, type(getattr(cls(), f.name)))
         known = {f.name for f in dataclasses.fields(cls)}
@@ -99,6 +144,17 @@ def _json_object(raw: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"{ENV_PREFIX}ENGINE_OPTIONS must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def _witness_list(raw: str) -> tuple[tuple[str, str], ...]:
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise ValueError(f"{ENV_PREFIX}WITNESSES must be a JSON list of {{\"url\", \"vkey\"}}: {exc}") from None
+    if not isinstance(value, list) or not all(isinstance(w, dict) and set(w) == {"url", "vkey"} and
+                                              all(isinstance(v, str) for v in w.values()) for w in value):
+        raise ValueError(f"{ENV_PREFIX}WITNESSES must be a JSON list of {{\"url\": str, \"vkey\": str}} objects")
+    return tuple((w["url"], w["vkey"]) for w in value)
 
 
 def _coerce(name: str, raw: str, kind: type) -> Any:

@@ -10,8 +10,9 @@ File format (JSON object)::
 
 Checks, in order: ``signature``, ``hash_chain_fields`` (transcripts), ``checkpoint_signature``,
 ``inclusion`` (leaf = the envelope digest, against the checkpoint's root; the proof's tree size must
-equal the checkpoint's), then with content: ``prompt_commitment``, ``output_commitment``,
-``window_chain``, ``windows`` (spans equal the signed spans), ``logprob_digest``.
+equal the checkpoint's), ``cosignatures`` when witness keys are given (at least ``quorum`` of them
+cosigned the checkpoint, C2SP tlog-cosignature), then with content: ``prompt_commitment``,
+``output_commitment``, ``window_chain``, ``windows`` (spans equal the signed spans), ``logprob_digest``.
 Without content the envelope still verifies: integrity without disclosure.
 """
 
@@ -27,6 +28,7 @@ from typing import Any
 from auditor import canonical as cn
 from auditor.attestation import REPLAY_PREDICATE, verify_replay_attestation
 from auditor.checkpoint import Checkpoint, CheckpointError, verify_checkpoint
+from auditor.cosignature import CosignatureError, CosignerKey, check_quorum
 from auditor.merkle import InclusionProof, ProofError, leaf_hash, verify_inclusion
 from auditor.transcript import Check, verify_transcript
 
@@ -54,25 +56,42 @@ class VerifyReport:
         return "\n".join([*lines, f"{'VALID' if self.ok else 'INVALID'} {self.kind} {self.source}"])
 
 
-def verify_file(path: Path | str, jwks: Mapping[str, Any], *, origin: str | None = None) -> VerifyReport:
+def verify_file(path: Path | str, jwks: Mapping[str, Any], *, origin: str | None = None,
+                witnesses: Sequence[CosignerKey] = (), quorum: int | None = None) -> VerifyReport:
     """Verify the JSON file at ``path`` (format in the module docstring)."""
     try:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError) as exc:
         return VerifyReport(str(path), "unknown", [Check("file", False, f"cannot read JSON: {exc}")])
-    return verify_document(doc, jwks, source=str(path), origin=origin)
+    return verify_document(doc, jwks, source=str(path), origin=origin, witnesses=witnesses, quorum=quorum)
 
 
 def verify_document(doc: Any, jwks: Mapping[str, Any], *, source: str = "<document>",
-                    origin: str | None = None) -> VerifyReport:
-    """Verify an already parsed file document."""
+                    origin: str | None = None, witnesses: Sequence[CosignerKey] = (),
+                    quorum: int | None = None) -> VerifyReport:
+    """Verify an already parsed file document; with ``witnesses``, the checkpoint must carry valid
+    cosignatures from ``quorum`` of them (default: all)."""
     if not isinstance(doc, dict) or not isinstance(doc.get("envelope"), dict):
         return VerifyReport(source, "unknown", [Check("file", False, "no 'envelope' object in the document")])
     envelope = doc["envelope"]
     kind = _peek_kind(envelope)
     checks = _envelope_checks(kind, envelope, doc, jwks)
     checks += _log_checks(envelope, doc, jwks, origin)
+    if witnesses:
+        checks.append(cosignature_check(doc.get("checkpoint"), witnesses, quorum or len(witnesses)))
     return VerifyReport(source, kind, checks)
+
+
+def cosignature_check(note: Any, witnesses: Sequence[CosignerKey], quorum: int) -> Check:
+    """``cosignatures``: at least ``quorum`` of ``witnesses`` cosigned the checkpoint ``note``."""
+    if not isinstance(note, str):
+        return Check("cosignatures", False, "no checkpoint note to check cosignatures on")
+    try:
+        valid = check_quorum(note, witnesses, quorum)
+    except CosignatureError as exc:
+        return Check("cosignatures", False, str(exc))
+    names = ", ".join(f"{c.name} at {c.timestamp}" for c in valid)
+    return Check("cosignatures", True, f"{len(valid)} of {len(witnesses)} witnesses cosigned (need {quorum}): {names}")
 
 
 def _peek_kind(envelope: Mapping[str, Any]) -> str:

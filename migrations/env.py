@@ -12,6 +12,7 @@ import logging.config
 import os
 
 from alembic import context
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from auditor.db.models import Base
@@ -43,9 +44,15 @@ def _configure(connection: Connection | None = None) -> None:
     )
 
 
+MIGRATION_LOCK = 7262010302
+"""PostgreSQL advisory lock held while migrating: replicas starting together migrate one at a time."""
+
+
 def _run_sync(connection: Connection) -> None:
     _configure(connection)
     with context.begin_transaction():
+        if connection.dialect.name == "postgresql":
+            connection.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
         context.run_migrations()
 
 

@@ -38,7 +38,7 @@ NAMING_CONVENTION = {
     "pk": "pk_%(table_name)s",
 }
 
-APPEND_ONLY_TABLES = ("transcripts", "log_leaves", "log_checkpoints", "access_log")
+APPEND_ONLY_TABLES = ("transcripts", "log_leaves", "log_checkpoints", "access_log", "checkpoint_cosignatures")
 
 
 class Base(DeclarativeBase):
@@ -184,6 +184,21 @@ class LogCheckpoint(Base):
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
 
 
+class CheckpointCosignature(Base):
+    """A witness's cosignature (C2SP tlog-cosignature) on one stored checkpoint."""
+
+    __tablename__ = "checkpoint_cosignatures"
+
+    tree_size: Mapped[int] = mapped_column(ForeignKey("log_checkpoints.tree_size"), primary_key=True)
+    witness: Mapped[str] = mapped_column(String(255), primary_key=True)
+    """The cosigner name (as in its vkey and signature line)."""
+    timestamp: Mapped[int] = mapped_column(BigInteger)
+    """The signed POSIX time of the cosignature."""
+    signature_line: Mapped[str] = mapped_column(Text)
+    """The note signature line exactly as the witness returned it (newline-terminated)."""
+    created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
+
+
 class ReplayJob(Base):
     """A replay of one transcript (replay issue); mutable while it runs, so not append-only."""
 
@@ -207,6 +222,10 @@ class ReplayJob(Base):
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    claimed_by: Mapped[str | None] = mapped_column(String(128))
+    """The server process running the job (host:pid:random), while ``running``."""
+    lease_expires_at: Mapped[dt.datetime | None] = mapped_column(DateTime(timezone=True))
+    """A running job whose lease has passed is taken back by any server (its runner died)."""
 
 
 class AccessLogEntry(Base):

@@ -79,6 +79,7 @@ async def export(args: argparse.Namespace) -> int:
     from auditor.reports.inputs import ReportFilters
     from auditor.reports.jobs import JobStatus, JobStore
     from auditor.reports.service import REPORTS_DIR, ReportService
+    from auditor.witnessing import WitnessPool
 
     settings = _base().settings_from(args)
     filters = ReportFilters(args.tenant, args.since, args.until, args.model, args.deterministic_only,
@@ -87,9 +88,14 @@ async def export(args: argparse.Namespace) -> int:
     try:
         sessionmaker = create_sessionmaker(db)
         keyring = KeyRing.open(settings.keys_dir)
-        service = ReportService(sessionmaker, Ledger(sessionmaker, keyring, settings.log_origin), keyring,
-                                JobStore(settings.data_dir / REPORTS_DIR))
-        job = await service.export(Principal("cli", args.tenant, Role.ADMIN), filters, _Bar(not args.no_progress))
+        ledger = Ledger(sessionmaker, keyring, settings.log_origin)
+        witnesses = WitnessPool.from_settings(settings, sessionmaker, ledger)
+        service = ReportService(sessionmaker, ledger, keyring, JobStore(settings.data_dir / REPORTS_DIR), witnesses)
+        try:
+            job = await service.export(Principal("cli", args.tenant, Role.ADMIN), filters, _Bar(not args.no_progress))
+        finally:
+            if witnesses is not None:
+                await witnesses.stop()
     finally:
         await db.dispose()
     if job.status is not JobStatus.DONE:
@@ -110,18 +116,26 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jwks", help="pin a JWKS file or http(s) URL instead of trusting the bundle's jwks.json")
     parser.add_argument("--json", action="store_true", help="print every finding as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="print passing checks too")
+    _base()._witness_flags(parser)
     parser.set_defaults(run=verify_bundle_command)
 
 
 def verify_bundle_command(args: argparse.Namespace) -> int:
     from auditor.reports.verify_bundle import verify_bundle
 
+    from auditor.cosignature import CosignatureError
+
     try:
         jwks = _base().read_jwks(args.jwks) if args.jwks else None
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the JWKS: {exc}", file=sys.stderr)
         return 2
-    result = verify_bundle(args.bundle, jwks)
+    try:
+        witnesses, quorum = _base().witness_keys_from(args, _base().settings_from(args))
+    except (ValueError, CosignatureError) as exc:
+        print(f"error: witnesses: {exc}", file=sys.stderr)
+        return 2
+    result = verify_bundle(args.bundle, jwks, witnesses=witnesses, quorum=quorum)
     print(json.dumps(result.to_json(), indent=2) if args.json else result.render(verbose=args.verbose))
     return 0 if result.ok else 1
 

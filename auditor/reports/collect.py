@@ -36,9 +36,9 @@ def _no_progress(stage: str, done: int, total: int) -> None:
 
 async def _checkpoint_note(session: AsyncSession, ledger: Ledger, keyring: KeyRing, size: int) -> str:
     """The stored signed checkpoint for ``size``; a size without one (0, or never stored) is signed now."""
-    row = await repository.checkpoint_at(session, size)
-    if row is not None:
-        return row.note
+    stored = await ledger.checkpoint_at(session, size)
+    if stored is not None:
+        return stored.note
     root = merkle.EMPTY_ROOT if size == 0 else (await ledger.tree_for(session, size)).root(size)
     return sign_checkpoint(Checkpoint(ledger.origin, size, root), keyring.signer(KeyRole.CHECKPOINT))
 
@@ -73,9 +73,11 @@ async def _replay(session: AsyncSession, ledger: Ledger, job: ReplayJob, end_siz
 
 async def collect(session: AsyncSession, ledger: Ledger, keyring: KeyRing, filters: ReportFilters, *,
                   report_id: str, generator_version: str, now: dt.datetime,
-                  progress: Progress = _no_progress) -> BundleInputs:
-    """Everything ``build_bundle`` needs for ``filters`` as of the ledger's latest checkpoint."""
-    end = await ledger.checkpoint(session)
+                  progress: Progress = _no_progress, end_size: int | None = None) -> BundleInputs:
+    """Everything ``build_bundle`` needs for ``filters`` as of the ledger's latest checkpoint (or the
+    stored one of ``end_size``: the latest a quorum of witnesses cosigned)."""
+    end = await ledger.checkpoint(session) if end_size is None else await ledger.checkpoint_at(session, end_size)
+    assert end is not None, end_size
     where = TranscriptFilter(filters.tenant, filters.model, True if filters.deterministic_only else None,
                              None, filters.since, filters.until)
     rows = [r for r in await store.transcripts(session, where) if r.log_index < end.tree_size]

@@ -26,6 +26,7 @@ from auditor.reports.bundle import build_bundle
 from auditor.reports.collect import Progress, collect
 from auditor.reports.inputs import ReportFilters
 from auditor.reports.jobs import JobStatus, JobStore, ReportJob
+from auditor.witnessing import WitnessingError, WitnessPool
 
 log = logging.getLogger("auditor.reports")
 REPORTS_DIR = "reports"
@@ -48,11 +49,13 @@ def _quiet(stage: str, done: int, total: int) -> None:
 
 class ReportService:
     def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], ledger: Ledger, keyring: KeyRing,
-                 jobs: JobStore) -> None:
+                 jobs: JobStore, witnesses: WitnessPool | None = None) -> None:
         self._sessionmaker = sessionmaker
         self._ledger = ledger
         self._keyring = keyring
         self.jobs = jobs
+        self.witnesses = witnesses
+        """When set, a bundle ends at a checkpoint the witnesses cosigned (asked at export time)."""
         self._tasks: set[asyncio.Task[Any]] = set()
 
     @classmethod
@@ -61,7 +64,8 @@ class ReportService:
         existing = getattr(app.state, "reports", None)
         if existing is None:
             s = app.state.services
-            existing = cls(s.sessionmaker, s.ledger, s.keyring, JobStore(Path(s.settings.data_dir) / REPORTS_DIR))
+            existing = cls(s.sessionmaker, s.ledger, s.keyring, JobStore(Path(s.settings.data_dir) / REPORTS_DIR),
+                           s.witnesses)
             app.state.reports = existing
             existing.resume()
         return existing
@@ -105,9 +109,11 @@ class ReportService:
         """Build the job's bundle; a failure is recorded on the job, never raised."""
         job = self.jobs.save(replace(job, status=JobStatus.RUNNING))
         try:
+            end_size = await self._witnessed_end()
             async with self._sessionmaker() as session, session.begin():
                 inputs = await collect(session, self._ledger, self._keyring, job.filters, report_id=job.id,
-                                       generator_version=generator_version(), now=_now(), progress=progress)
+                                       generator_version=generator_version(), now=_now(), progress=progress,
+                                       end_size=end_size)
             progress("render", 0, 1)
             data = await asyncio.to_thread(build_bundle, inputs, self._keyring.signer(KeyRole.REPORT))
             progress("render", 1, 1)
@@ -116,6 +122,17 @@ class ReportService:
             return self.jobs.save(replace(job, status=JobStatus.FAILED, finished_at=_now(),
                                           error=f"{type(exc).__name__}: {exc}"))
         return self.jobs.write_bundle(job, data, len(inputs.transcripts), cn.sha256_hex(data), _now())
+
+    async def _witnessed_end(self) -> int | None:
+        """The witnessed checkpoint a bundle ends at; without one in time, the latest (and a warning:
+        the verifier, given the witness keys, then reports the missing cosignatures)."""
+        if self.witnesses is None:
+            return None
+        try:
+            return await self.witnesses.ensure_witnessed()
+        except WitnessingError as exc:
+            log.warning("report ends at an unwitnessed checkpoint: %s", exc, extra={"event": "report_unwitnessed"})
+            return None
 
     async def export(self, principal: Principal, filters: ReportFilters, progress: Progress = _quiet) -> ReportJob:
         """Submit and wait (the CLI path): returns the finished (or failed) job."""

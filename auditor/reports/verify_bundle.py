@@ -6,6 +6,8 @@ Checks, each reported as a ``Finding`` that names the file, line and transcript 
 * ``file_hash``     every listed file is present with its SHA-256 and size; no unlisted files
 * ``checkpoint``    start and end notes verify with a ``checkpoint`` key and equal the manifest's
 * ``consistency``   the proof shows the start tree is a prefix of the end tree
+* ``cosignatures``  with witness keys given: the end checkpoint carries valid cosignatures from the
+                    quorum of them (C2SP tlog-cosignature)
 * per transcripts.jsonl line: ``signature`` (and hash-chain fields), ``envelope_digest``,
   ``inclusion`` (against the end checkpoint), ``scope`` (tenant and filters), ``content`` (absent
   unless requested; when present, commitments / window chain / logprob digest), ``manifest_index``
@@ -31,12 +33,14 @@ from typing import Any
 from auditor import canonical as cn
 from auditor.attestation import verify_replay_attestation
 from auditor.checkpoint import Checkpoint, verify_checkpoint
+from auditor.cosignature import CosignerKey
 from auditor.crypto import VerifierKey, as_verifier_keys
 from auditor.merkle import ConsistencyProof, InclusionProof, leaf_hash, verify_consistency, verify_inclusion
 from auditor.reports import bundle as b
 from auditor.reports.manifest import MANIFEST_ENVELOPE_PATH, MANIFEST_PATH, checkpoint_json, open_manifest
 from auditor.reports.summary import SUMMARY_COLUMNS, read_csv, replay_status, summary_row
 from auditor.transcript import verify_transcript
+from auditor.verify import cosignature_check
 
 
 @dataclass(frozen=True)
@@ -107,10 +111,14 @@ class _Ctx:
     """transcript id → (statement, envelope digest, log index, signature ok)."""
     payload_digests: dict[str, str] = field(default_factory=dict)
     replays: list[dict[str, Any]] = field(default_factory=list)
+    witnesses: Sequence[CosignerKey] = ()
+    quorum: int = 0
 
 
-def verify_bundle(source: bytes | str | Path, jwks: Mapping[str, Any] | None = None) -> BundleVerification:
-    """Verify a bundle (ZIP bytes or a path); ``jwks`` overrides the bundle's own ``jwks.json``."""
+def verify_bundle(source: bytes | str | Path, jwks: Mapping[str, Any] | None = None, *,
+                  witnesses: Sequence[CosignerKey] = (), quorum: int | None = None) -> BundleVerification:
+    """Verify a bundle (ZIP bytes or a path); ``jwks`` overrides the bundle's own ``jwks.json``;
+    ``witnesses``: the end checkpoint must be cosigned by ``quorum`` of them (default: all)."""
     result = BundleVerification("<bytes>" if isinstance(source, bytes) else str(source))
     files = _read_zip(source, result)
     if files is None:
@@ -121,7 +129,7 @@ def verify_bundle(source: bytes | str | Path, jwks: Mapping[str, Any] | None = N
     manifest = _manifest(files, keys, result)
     if manifest is None:
         return result
-    ctx = _Ctx(files, keys, manifest)
+    ctx = _Ctx(files, keys, manifest, witnesses=witnesses, quorum=quorum or len(witnesses))
     for stage in (_file_hashes, _checkpoints, _transcripts, _replays, _summary, _access_log):
         try:
             stage(ctx, result)
@@ -206,6 +214,9 @@ def _checkpoints(ctx: _Ctx, result: BundleVerification) -> None:
         result.add("checkpoint", True, f"signed, tree size {cp.tree_size}", path)
         cps[name] = cp
     ctx.end = cps.get("end")
+    if ctx.witnesses and ctx.end is not None:
+        check = cosignature_check(ctx.files[b.END_CHECKPOINT_PATH].decode("utf-8"), ctx.witnesses, ctx.quorum)
+        result.add(check.name, check.ok, check.detail, b.END_CHECKPOINT_PATH)
     if "start" in cps and "end" in cps:
         _consistency(ctx, cps["start"], cps["end"], result)
 

@@ -18,6 +18,7 @@ from auditor.ledger import Ledger
 from auditor.metrics import Metrics
 from auditor.service import CompletionService
 from auditor.settings import Settings
+from auditor.witnessing import WitnessingError, WitnessPool
 
 
 @dataclass
@@ -32,6 +33,10 @@ class Services:
     ledger: Ledger
     authenticator: Authenticator
     metrics: Metrics
+    session_store: Any = None
+    """Console sessions: a litestar ``Store`` (Redis when ``redis_url`` is set, else in memory)."""
+    redis: Any = None
+    witnesses: WitnessPool | None = None
     engine: Any = None
     completions: CompletionService | None = None
     engine_error: str | None = None
@@ -42,6 +47,19 @@ class Services:
             detail = self.engine_error or "the model is still loading"
             raise ApiError(503, f"engine not ready: {detail}", code="engine_not_ready", headers={"Retry-After": "5"})
         return self.completions
+
+
+async def witnessed_size(services: Services, min_size: int = 0) -> int:
+    """For ``?witnessed=true``: a checkpoint size, at least ``min_size`` and the latest when asked, that a
+    quorum of the configured witnesses cosigned (they are asked now if needed)."""
+    if services.witnesses is None:
+        raise ApiError(400, "witnessed=true needs witnesses: none is configured (VERBATIM_WITNESSES)",
+                       param="witnessed", code="no_witnesses")
+    try:
+        return await services.witnesses.ensure_witnessed(min_size)
+    except WitnessingError as exc:
+        raise ApiError(503, f"witnesses unavailable: {exc}", code="witness_unavailable",
+                       headers={"Retry-After": "5"}) from None
 
 
 async def provide_principal(request: Request[Any, Any, Any], services: Services) -> Principal:

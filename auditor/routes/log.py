@@ -17,7 +17,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from auditor import repository
 from auditor.errors import bad_request, not_found
 from auditor.merkle import ProofError
-from auditor.routes.deps import Services, provide_db_session
+from auditor.routes.deps import Services, provide_db_session, witnessed_size
 
 
 class LogController(Controller):
@@ -26,9 +26,16 @@ class LogController(Controller):
 
     @get("/checkpoint")
     async def checkpoint(self, services: Services, db_session: AsyncSession,
-                         format: Literal["json", "note"] = "json") -> Response[Any]:
-        """JSON ``{origin, tree_size, root_hash, note}``; ``?format=note``: the signed note as text/plain."""
-        checkpoint = await services.ledger.checkpoint(db_session)
+                         format: Literal["json", "note"] = "json", witnessed: bool = False) -> Response[Any]:
+        """JSON ``{origin, tree_size, root_hash, note}``; ``?format=note``: the signed note as text/plain.
+        The note carries the witnesses' cosignatures stored for it; ``?witnessed=true``: the latest
+        checkpoint a quorum of witnesses cosigned (asking them now if the latest is not)."""
+        if witnessed:
+            size = await witnessed_size(services)
+            checkpoint = await services.ledger.checkpoint_at(db_session, size)
+            assert checkpoint is not None, size
+        else:
+            checkpoint = await services.ledger.checkpoint(db_session)
         if format == "note":
             return Response(checkpoint.note, media_type="text/plain; charset=utf-8")
         return Response({"origin": services.ledger.origin, **checkpoint.to_json()})

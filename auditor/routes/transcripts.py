@@ -10,11 +10,11 @@ from litestar.di import Provide
 from litestar.params import Parameter
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from auditor import queries
+from auditor import queries, repository
 from auditor.auth import Principal
 from auditor.errors import bad_request
 from auditor.repository import TranscriptFilter
-from auditor.routes.deps import Services, provide_db_session, provide_principal
+from auditor.routes.deps import Services, provide_db_session, provide_principal, witnessed_size
 
 
 class TranscriptsController(Controller):
@@ -50,9 +50,15 @@ class TranscriptsController(Controller):
         principal: Principal,
         include_content: bool = False,
         verify: bool = False,
+        witnessed: bool = False,
     ) -> dict[str, Any]:
+        at_size = None
+        if witnessed:  # a checkpoint that covers the transcript (an unknown id is a 404 below)
+            row = await repository.get_transcript(db_session, transcript_id)
+            at_size = await witnessed_size(services, row.log_index + 1 if row is not None else 0)
         return await queries.transcript_document(db_session, services.ledger, services.keyring, principal,
-                                                 transcript_id, include_content=include_content, verify=verify)
+                                                 transcript_id, include_content=include_content, verify=verify,
+                                                 at_size=at_size)
 
 
 def _aware(value: dt.datetime | None, name: str) -> dt.datetime | None:

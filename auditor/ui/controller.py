@@ -36,8 +36,8 @@ def render(name: str, status: int = 200, **context: Any) -> Response[str]:
                              "script-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'"})
 
 
-def _session(request: Request[Any, Any, Any]) -> Session | None:
-    return SessionStore.for_app(request.app).get(request.cookies.get(COOKIE))
+async def _session(request: Request[Any, Any, Any]) -> Session | None:
+    return await SessionStore.for_app(request.app).get(request.cookies.get(COOKIE))
 
 
 def _client(session: Session, request: Request[Any, Any, Any]) -> ApiClient:
@@ -81,7 +81,7 @@ async def _script_call(request: Request[Any, Any, Any], method: str, path: str, 
                        params: dict[str, Any] | None = None,
                        shape: Callable[[dict[str, Any]], dict[str, Any]] = lambda doc: doc) -> Response[Any]:
     """One API call for a page's script: the document (as ``shape`` shows it), or ``{"error": ...}``."""
-    session = _session(request)
+    session = await _session(request)
     if session is None:
         return Response({"error": "signed out"}, status_code=401)
     try:
@@ -104,7 +104,7 @@ class ConsoleController(Controller):
 
     @get("/")
     async def home(self, request: Request[Any, Any, Any]) -> Redirect:
-        return Redirect("/ui/transcripts" if _session(request) else "/ui/login", status_code=303)
+        return Redirect("/ui/transcripts" if await _session(request) else "/ui/login", status_code=303)
 
     # --- sign in / out -----------------------------------------------------------------------------
 
@@ -121,7 +121,7 @@ class ConsoleController(Controller):
             principal = await services.authenticator.authenticate(f"Bearer {api_key}")
         except ApiError as exc:
             return render("login.html.j2", status=401, session=None, error=exc.message)
-        token = SessionStore.for_app(request.app).create(api_key, principal.key_id, principal.tenant,
+        token = await SessionStore.for_app(request.app).create(api_key, principal.key_id, principal.tenant,
                                                           principal.role.value)
         cookie = Cookie(key=COOKIE, value=token, path="/ui", httponly=True, samesite="strict",
                         secure=request.url.scheme == "https")
@@ -129,14 +129,14 @@ class ConsoleController(Controller):
 
     @post("/logout")
     async def logout(self, request: Request[Any, Any, Any]) -> Redirect:
-        SessionStore.for_app(request.app).end(request.cookies.get(COOKIE))
+        await SessionStore.for_app(request.app).end(request.cookies.get(COOKIE))
         return Redirect("/ui/login", status_code=303, cookies=[Cookie(key=COOKIE, value="", path="/ui", max_age=0)])
 
     # --- transcripts --------------------------------------------------------------------------------
 
     @get("/transcripts")
     async def transcripts(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         filters = {k: request.query_params.get(k) or "" for k in TRANSCRIPT_FILTERS}
@@ -149,7 +149,7 @@ class ConsoleController(Controller):
 
     @get("/transcripts/{transcript_id:str}")
     async def transcript(self, transcript_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         try:
@@ -174,7 +174,7 @@ class ConsoleController(Controller):
 
     @get("/reports")
     async def reports(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         try:
@@ -185,7 +185,7 @@ class ConsoleController(Controller):
 
     @post("/reports")
     async def export(self, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         form = await request.form()
@@ -201,7 +201,7 @@ class ConsoleController(Controller):
 
     @get("/reports/{report_id:str}")
     async def report(self, report_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         try:
@@ -216,7 +216,7 @@ class ConsoleController(Controller):
 
     @get("/reports/{report_id:str}/download")
     async def download(self, report_id: str, request: Request[Any, Any, Any]) -> Response[Any]:
-        session = _session(request)
+        session = await _session(request)
         if session is None:
             return _to_login()
         response = await _client(session, request).request("GET", f"/v1/reports/{report_id}")

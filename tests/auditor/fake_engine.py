@@ -187,3 +187,10 @@ class FakeAsyncEngine:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+
+def from_settings(settings: Any) -> FakeAsyncEngine:
+    """``VERBATIM_ENGINE_FACTORY=tests.auditor.fake_engine:from_settings``: the fake engine in a real
+    ``python -m auditor serve`` process (multi-process tests and the replica benchmark)."""
+    options = dict(settings.engine_options)
+    return FakeAsyncEngine(step_delay=float(options.get("step_delay", 0.002)))

@@ -109,3 +109,31 @@ def parse_checkpoint(note: str) -> tuple[str, int, bytes]:
     body = note.split("\n\n", 1)[0]
     origin, size, root = body.split("\n")[:3]
     return origin, int(size), base64.b64decode(root)
+
+
+# --- C2SP tlog-cosignature/v1 (Ed25519) ---------------------------------------------------------------
+
+
+def cosignatures(note: str, vkey: str) -> list[int]:
+    """Timestamps of the valid cosignatures on ``note`` by the cosigner ``vkey`` (name+hexid+b64(0x04‖key)),
+    from the spec's wording alone; raises ``ValueError`` on a bad signature by that key."""
+    name, hex_id, encoded = vkey.split("+", 2)
+    blob = base64.b64decode(encoded)
+    assert blob[0] == 4 and len(blob) == 33, "not a tlog-cosignature/v1 Ed25519 vkey"
+    key_id = hashlib.sha256(name.encode() + b"\n" + b"\x04" + blob[1:]).digest()[:4]
+    assert key_id.hex() == hex_id
+    text, _, block = note.rpartition("\n\n")
+    out = []
+    for line in block.rstrip("\n").split("\n"):
+        signer, _, sig64 = line.removeprefix("\u2014 ").rpartition(" ")
+        sig = base64.b64decode(sig64)
+        if signer != name or sig[:4] != key_id:
+            continue
+        timestamp = int.from_bytes(sig[4:12], "big")
+        message = b"cosignature/v1\n" + f"time {timestamp}\n".encode() + (text + "\n").encode()
+        try:
+            Ed25519PublicKey.from_public_bytes(blob[1:]).verify(sig[12:], message)
+        except Exception as exc:  # noqa: BLE001
+            raise ValueError(f"cosignature by {name} does not verify") from exc
+        out.append(timestamp)
+    return out

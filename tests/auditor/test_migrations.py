@@ -85,8 +85,10 @@ def test_postgres_append_only_tables_refuse_update_and_delete(pg_schema: tuple[s
         "transcripts": "INSERT INTO transcripts VALUES ('id1', 't', 1, NULL, 'completions', 'm', true, 'completed', "
                        f"'stop', '1', 1, 1, 'fp', 'kid', NULL, '\\x00', 'pd', 'ed', 0, '{now}', '{now}')",
         "log_leaves": f"INSERT INTO log_leaves VALUES (0, '\\x00', '\\x00', 'transcript', 'id1', NULL, '{now}')",
+        "checkpoint_cosignatures": "INSERT INTO checkpoint_cosignatures VALUES (1, 'w.example/w1', 1, '— w x', "
+                                   f"'{now}')",
     }
-    for table in ("access_log", "log_checkpoints", "transcripts", "log_leaves"):
+    for table in ("access_log", "log_checkpoints", "transcripts", "log_leaves", "checkpoint_cosignatures"):
         assert asyncio.run(_try(url, schema, inserts[table])) is None, table
     assert set(inserts) == set(APPEND_ONLY_TABLES)
     for table in APPEND_ONLY_TABLES:

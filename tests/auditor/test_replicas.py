@@ -1,0 +1,427 @@
+"""Several replicas on one PostgreSQL: three real ``python -m auditor serve`` processes (each with its own
+engine: the fake one, through ``VERBATIM_ENGINE_FACTORY``, since three SmolLM2 engines on two shared cores
+would take minutes per request) started together on a fresh database, clients of three tenants spread
+over them, one replica killed with SIGKILL while requests are in flight. Afterwards every transcript any
+client received verifies, the log is one consistent tree (every stored checkpoint is a prefix of it), and
+each tenant's chain has no duplicate and no missing sequence number.
+
+Also (in-process, two apps on one database and one Redis): console sessions and rate limits are shared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import json
+import os
+import random
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from auditor.db.session import create_engine
+from auditor.settings import Settings
+from auditor.verify import verify_document
+from tests.auditor import independent
+from tests.auditor.conftest import LiveServer, make_key, postgres_url, serving, with_port
+from tests.auditor.fake_engine import FakeAsyncEngine
+from tests.auditor.processes import run_cli
+from tests.auditor.replicas_support import Cluster, create_database, drop_database
+
+pytestmark = pytest.mark.postgres
+
+REDIS_ENV = "VERBATIM_TEST_REDIS_URL"
+MODEL = "fake-model"
+TENANTS = ("acme", "globex", "initech")
+
+
+def redis_url() -> str:
+    url = os.environ.get(REDIS_ENV)
+    if not url:
+        pytest.skip(f"{REDIS_ENV} is not set; Redis tests skipped (.ci/run sets it)")
+    import redis
+
+    try:
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
+    except redis.RedisError as exc:
+        pytest.skip(f"Redis at {REDIS_ENV} unreachable ({exc}); skipped")
+    return url
+
+
+@pytest.fixture
+def replica_database() -> Iterator[str]:
+    url = create_database(postgres_url(), "verbatim_replicas")
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+# --- three processes, one killed ----------------------------------------------------------------------
+
+
+class Load:
+    """Clients that spread requests over the live replicas and retry elsewhere when one fails."""
+
+    def __init__(self, urls: list[str], keys: dict[str, str]) -> None:
+        self.urls = urls
+        self.keys = keys
+        self.dead: set[int] = set()
+        self.in_flight = Counter[int]()
+        self.failures = Counter[int]()
+        self.received: list[tuple[str, str]] = []
+        self.done = 0
+
+    async def request(self, tenant: str, n: int) -> None:
+        body: dict[str, Any] = {"model": MODEL, "max_tokens": 24 if n % 3 == 0 else 8, "seed": n,
+                                "deterministic": n % 2 == 0, "stream": n % 3 == 0}
+        if n % 4 == 0:
+            body["messages"] = [{"role": "user", "content": f"request {n} of {tenant}"}]
+        else:
+            body["prompt"] = f"request {n} of {tenant}"
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        for attempt in range(6):
+            replica = (n + attempt) % len(self.urls)
+            if replica in self.dead:
+                continue
+            transcript = await self._once(replica, path, body, self.keys[tenant])
+            if transcript is not None:
+                self.received.append((tenant, transcript))
+                self.done += 1
+                return
+        raise AssertionError(f"request {n} of {tenant} failed on every replica")
+
+    async def _once(self, replica: int, path: str, body: dict[str, Any], key: str) -> str | None:
+        self.in_flight[replica] += 1
+        try:
+            async with httpx.AsyncClient(base_url=self.urls[replica], timeout=60,
+                                         headers={"Authorization": f"Bearer {key}"}) as client:
+                if not body["stream"]:
+                    response = await client.post(path, json=body)
+                    return response.json()["transcript"]["id"] if response.status_code == 200 else None
+                return await _streamed_transcript(client, path, body)
+        except (httpx.TransportError, ValueError, KeyError):
+            self.failures[replica] += 1
+            return None
+        finally:
+            self.in_flight[replica] -= 1
+
+
+async def _streamed_transcript(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str | None:
+    transcript, done = None, False
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            return None
+        async for line in response.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                transcript = json.loads(line[6:]).get("transcript", {}).get("id") or transcript
+    return transcript if done else None
+
+
+async def _kill_under_load(cluster: Cluster, load: Load, victim: int, after: int) -> None:
+    while load.done < after or load.in_flight[victim] == 0:
+        await asyncio.sleep(0.005)
+    load.dead.add(victim)
+    cluster.replicas[victim].kill()
+
+
+async def _rows(url: str, query: str) -> list[Any]:
+    from sqlalchemy import text
+
+    engine = create_engine(url)
+    try:
+        async with engine.connect() as connection:
+            return list((await connection.execute(text(query))).all())
+    finally:
+        await engine.dispose()
+
+
+async def test_three_replicas_one_killed_under_load(replica_database: str, tmp_path: Path) -> None:
+    cluster = Cluster(replica_database, tmp_path / "data", redis_url(),
+                      {"VERBATIM_RATE_LIMIT_PER_SECOND": "10000", "VERBATIM_RATE_LIMIT_BURST": "10000",
+                       "VERBATIM_ENGINE_OPTIONS": json.dumps({"step_delay": 0.02})})
+    try:
+        await asyncio.to_thread(cluster.start, 3)
+        bootstraps = sum(r.output().count("Created the first admin API key") for r in cluster.replicas)
+        assert bootstraps == 1, [r.output()[-500:] for r in cluster.replicas]
+        keys = {t: await asyncio.to_thread(cluster.create_key, t) for t in TENANTS}
+        load = Load(cluster.urls, keys)
+        requests = [(t, n) for n in range(24) for t in TENANTS]
+        random.Random(29).shuffle(requests)
+        queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
+        for item in requests:
+            queue.put_nowait(item)
+
+        async def client() -> None:
+            while not queue.empty():
+                await load.request(*queue.get_nowait())
+
+        killer = asyncio.create_task(_kill_under_load(cluster, load, victim=2, after=len(requests) // 3))
+        await asyncio.gather(*(client() for _ in range(12)))
+        await killer
+        assert cluster.replicas[2].proc.returncode == -9
+        assert load.failures[2] >= 1, load.failures  # requests were cut off by the kill and retried elsewhere
+        assert len(load.received) == len(requests)
+        await _check_everything(cluster, load)
+    finally:
+        cluster.stop()
+
+
+async def _check_everything(cluster: Cluster, load: Load) -> None:
+    survivor = cluster.urls[0]
+    async with httpx.AsyncClient(base_url=survivor, timeout=60) as http:
+        jwks = (await http.get("/.well-known/jwks.json")).json()
+        checkpoint = (await http.get("/v1/log/checkpoint")).json()
+        for tenant, tid in load.received:
+            doc = (await http.get(f"/v1/transcripts/{tid}", headers={"Authorization": f"Bearer {load.keys[tenant]}"},
+                                  params={"include_content": "true"})).json()
+            report = verify_document(doc, jwks)
+            assert report.ok, report.render()
+    assert len([k for k in jwks["keys"] if k["role"] == "checkpoint"]) == 1  # one shared key ring
+
+    url = cluster.database_url
+    leaves = await _rows(url, 'SELECT "index", leaf_hash, entry, kind, transcript_id FROM log_leaves ORDER BY "index"')
+    assert [row[0] for row in leaves] == list(range(len(leaves)))
+    hashes = [bytes(row[1]) for row in leaves]
+    assert checkpoint["tree_size"] == len(leaves)
+    assert independent.mth(hashes) == base64.b64decode(checkpoint["root_hash"])
+    for size, root in await _rows(url, "SELECT tree_size, root_hash FROM log_checkpoints"):
+        assert independent.mth(hashes[:size]) == bytes(root), f"checkpoint {size} is not a prefix of the log"
+
+    rows = await _rows(url, "SELECT id, tenant, sequence, previous_digest, payload_digest, log_index, envelope "
+                            "FROM transcripts ORDER BY tenant, sequence")
+    assert {row[0] for row in rows} >= {tid for _, tid in load.received}
+    assert sorted(row[5] for row in rows) == sorted(r[0] for r in leaves if r[3] == "transcript")
+    for tenant in TENANTS:
+        chain = [row for row in rows if row[1] == tenant]
+        assert [row[2] for row in chain] == list(range(1, len(chain) + 1)), tenant
+        assert [row[3] for row in chain] == [None, *(row[4] for row in chain[:-1])], tenant
+    for row in rows:
+        envelope = json.loads(row[6])
+        payload = independent.verify_dsse(envelope, jwks)
+        assert hashlib.sha256(payload).hexdigest() == row[4]
+        assert independent.envelope_digest(envelope) == bytes(leaves[row[5]][2])
+
+
+# --- shared sessions and rate limits -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def two_apps(pg_settings: Settings) -> AsyncIterator[tuple[LiveServer, LiveServer]]:
+    settings = replace(pg_settings, redis_url=redis_url(), rate_limit_per_second=0.05, rate_limit_burst=4)
+    keys = {name: await make_key(settings, "acme", "auditor") for name in ("console", "limited")}
+    async with serving(settings, FakeAsyncEngine(), {}) as a, serving(with_port(settings), FakeAsyncEngine(), {}) as b:
+        a.keys.update(keys)
+        yield a, b
+
+
+async def test_console_sessions_and_rate_limits_are_shared(two_apps: tuple[LiveServer, LiveServer]) -> None:
+    a, b = two_apps
+    key = a.keys["console"]
+    async with httpx.AsyncClient() as http:
+        signed_in = await http.post(f"{a.url}/ui/login", data={"api_key": key})
+        assert signed_in.status_code == 303, signed_in.text
+        token = signed_in.cookies["verbatim_console"]
+        cookie = {"Cookie": f"verbatim_console={token}"}
+        page = await http.get(f"{b.url}/ui/transcripts", headers=cookie)
+        assert page.status_code == 200 and "transcripts" in page.text.lower(), page.text[:300]
+        stored = await _redis_values(a.settings.redis_url)
+        assert stored and all(key.encode() not in v and token.encode() not in v for v in stored)
+        await http.post(f"{b.url}/ui/logout", headers=cookie)
+        after = await http.get(f"{a.url}/ui/transcripts", headers=cookie)
+        assert after.status_code == 303 and after.headers["location"] == "/ui/login"
+        limited = {"Authorization": f"Bearer {a.keys['limited']}"}
+        statuses = [(await http.get(f"{(a, b)[i % 2].url}/v1/transcripts", headers=limited)).status_code
+                    for i in range(6)]
+    assert statuses == [200] * 4 + [429] * 2, statuses  # one bucket of 4 for both replicas
+
+
+async def _redis_values(url: str) -> list[bytes]:
+    """Every console session value in Redis (a client of the test's own event loop)."""
+    from redis.asyncio import Redis
+
+    redis = Redis.from_url(url)
+    try:
+        keys = [k async for k in redis.scan_iter("verbatim-console*")]
+        return [v for v in [await redis.get(k) for k in keys] if v is not None]
+    finally:
+        await redis.aclose()
+
+
+async def test_replicas_started_together_migrate_once(replica_database: str, tmp_path: Path) -> None:
+    """Three ``migrate`` commands at once on an empty database: one applies, the others find it done."""
+    env = {"VERBATIM_DATABASE_URL": replica_database, "VERBATIM_DATA_DIR": str(tmp_path)}
+    results = await asyncio.gather(*(asyncio.to_thread(run_cli, "migrate", env=env) for _ in range(3)))
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    assert await _rows(replica_database, "SELECT version_num FROM alembic_version") == [("0002",)]
+
+
+# --- backup and restore -------------------------------------------------------------------------------------
+
+
+def _dsn(url: str) -> str:
+    return url.replace("postgresql+asyncpg://", "postgresql://")
+
+
+async def _complete(url: str, key: str, n: int) -> str:
+    async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+        response = await http.post("/v1/completions", json={"model": MODEL, "prompt": f"backup {n}", "max_tokens": 4})
+        assert response.status_code == 200, response.text
+        return response.json()["transcript"]["id"]
+
+
+@pytest.fixture
+def restored_database() -> Iterator[str]:
+    url = create_database(postgres_url(), "verbatim_replicas_restored")
+    try:
+        yield url
+    finally:
+        drop_database(url)
+
+
+async def test_backup_and_restore_with_the_log_checked(replica_database: str, restored_database: str,
+                                                       tmp_path: Path) -> None:
+    """The procedure of docs/replicas.md: pg_dump, pg_restore into a new database, start on it, then
+    check the restored log against a checkpoint kept from before (monitor) and verify a transcript.
+    A restore that lost published entries is caught by a monitor that saw them."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("pg_dump") or not shutil.which("pg_restore"):
+        pytest.skip("pg_dump / pg_restore not installed")
+    cluster = Cluster(replica_database, tmp_path / "data", None)
+    restored_url = restored_database
+    try:
+        await asyncio.to_thread(cluster.start, 1)
+        key = await asyncio.to_thread(cluster.create_key, "acme")
+        ids = [await _complete(cluster.urls[0], key, n) for n in range(6)]
+        async with httpx.AsyncClient(base_url=cluster.urls[0]) as http:
+            (tmp_path / "jwks.json").write_text((await http.get("/.well-known/jwks.json")).text)
+        monitor = ["monitor", "--jwks", str(tmp_path / "jwks.json"), "--once"]
+        kept = run_cli(*monitor, cluster.urls[0], "--state", str(tmp_path / "before.json"))
+        assert kept.returncode == 0, kept.stderr
+        dump = subprocess.run(["pg_dump", "-Fc", "-d", _dsn(replica_database), "-f", str(tmp_path / "log.dump")],
+                              capture_output=True, text=True)
+        assert dump.returncode == 0, dump.stderr
+        await _complete(cluster.urls[0], key, 6)  # published after the backup: lost by the restore
+        later = run_cli(*monitor, cluster.urls[0], "--state", str(tmp_path / "after.json"))
+        assert later.returncode == 0 and "size 7" in later.stdout, later.stdout
+        cluster.stop()
+
+        restore = subprocess.run(["pg_restore", "--no-owner", "-d", _dsn(restored_url), str(tmp_path / "log.dump")],
+                                 capture_output=True, text=True)
+        assert restore.returncode == 0, restore.stderr
+        restored = Cluster(restored_url, tmp_path / "data", None)
+        await asyncio.to_thread(restored.start, 1)
+        try:
+            checked = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "before.json"))
+            assert checked.returncode == 0 and "size 6" in checked.stdout, checked.stdout + checked.stderr
+            async with httpx.AsyncClient(base_url=restored.urls[0], headers={"Authorization": f"Bearer {key}"}) as http:
+                (tmp_path / "doc.json").write_text((await http.get(f"/v1/transcripts/{ids[0]}")).text)
+            verified = run_cli("verify", str(tmp_path / "doc.json"), "--jwks", str(tmp_path / "jwks.json"))
+            assert verified.returncode == 0, verified.stdout
+            shrunk = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "after.json"))
+            assert shrunk.returncode == 1 and "the log shrank from size 7 to 6" in shrunk.stderr, shrunk.stderr
+        finally:
+            restored.stop()
+    finally:
+        cluster.stop()
+
+
+# --- replay jobs across replicas ---------------------------------------------------------------------------
+
+
+async def test_replay_jobs_run_once_across_replicas(pg_settings: Settings) -> None:
+    """Two apps (each with its replay worker and engine) on one database: every job is replayed and
+    attested exactly once, whichever app took it; a job left running by a dead process is taken back
+    once its lease has passed."""
+    import datetime as dt
+
+    from sqlalchemy import text
+
+    from tests.auditor.test_replay_fake import ReplayFakeEngine
+
+    engines = [ReplayFakeEngine(), ReplayFakeEngine()]
+    key = await make_key(pg_settings, "acme", "client")
+    async with serving(pg_settings, engines[0], {}) as a, serving(with_port(pg_settings), engines[1], {}) as b:
+        apps = (a, b)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(headers=headers, timeout=60) as http:
+            tids = []
+            for n in range(7):
+                body = {"model": MODEL, "prompt": f"replay {n}", "max_tokens": 6, "deterministic": True, "seed": n}
+                tids.append((await http.post(f"{apps[n % 2].url}/v1/completions", json=body)).json()["transcript"]["id"])
+            jobs = [(await http.post(f"{apps[n % 2].url}/v1/transcripts/{tid}/replay")).json()
+                    for n, tid in enumerate(tids[:6])]
+            db = create_engine(pg_settings.resolved_database_url, schema=pg_settings.database_schema)
+            try:
+                async with db.begin() as connection:
+                    await connection.execute(text(
+                        "INSERT INTO replay_jobs (id, tenant, transcript_id, requested_by, status, created_at, "
+                        "claimed_by, lease_expires_at) VALUES (:id, 'acme', :tid, 'k', 'running', :now, "
+                        "'dead-host:1:0', :past)"), {"id": "0190a0a0-0000-7000-8000-00000000dead", "tid": tids[6],
+                                                     "now": dt.datetime.now(dt.UTC),
+                                                     "past": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)})
+                ids = [j["id"] for j in jobs] + ["0190a0a0-0000-7000-8000-00000000dead"]
+                done = [await _until_done(http, apps[(n + 1) % 2].url, job_id) for n, job_id in enumerate(ids)]
+                async with db.connect() as connection:
+                    leaves = (await connection.execute(text(
+                        "SELECT replay_job_id FROM log_leaves WHERE kind = 'replay_attestation'"))).all()
+            finally:
+                await db.dispose()
+    assert [d["result"] for d in done] == ["match"] * 7, done
+    assert sorted(row[0] for row in leaves) == sorted(ids)
+    assert sum(sum(e.replay_calls) for e in engines) == 7, [e.replay_calls for e in engines]
+
+
+async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[str, Any]:
+    for _ in range(300):
+        job = (await http.get(f"{url}/v1/replays/{job_id}")).json()
+        if job["status"] in ("done", "failed"):
+            return job
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"replay {job_id} did not finish: {job}")
+
+
+# --- witnessing from several replicas ------------------------------------------------------------------------
+
+
+async def test_two_replicas_share_one_witness(pg_settings: Settings, tmp_path: Path) -> None:
+    """Both apps submit to the same witness (one at a time, by an advisory lock per witness): every
+    submission is cosigned or answered with the witness's newer size, never refused as inconsistent."""
+    import re
+
+    from auditor.crypto import KeyRing
+    from tests.auditor.test_witness_live import ORIGIN, start_witness
+
+    (tmp_path / "jwks.json").write_text(json.dumps(KeyRing.open(pg_settings.keys_dir).jwks()))
+    witness, url, vkey = start_witness(tmp_path, tmp_path / "jwks.json")
+    settings = replace(pg_settings, log_origin=ORIGIN, witnesses=((url, vkey),), witness_interval=0.05)
+    key = await make_key(settings, "acme", "client")
+    try:
+        async with serving(settings, FakeAsyncEngine(), {}) as a, \
+                serving(with_port(settings), FakeAsyncEngine(), {}) as b:
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
+                for n in range(12):
+                    body = {"model": MODEL, "prompt": f"witnessed {n}", "max_tokens": 4}
+                    assert (await http.post(f"{(a, b)[n % 2].url}/v1/completions", json=body)).status_code == 200
+                    await asyncio.sleep(0.03)
+                notes = [(await http.get(f"{app.url}/v1/log/checkpoint", params={"witnessed": "true"})).json()
+                         for app in (a, b)]
+                metrics = [(await http.get(f"{app.url}/metrics")).text for app in (a, b)]
+    finally:
+        witness.stop()
+    assert [n["tree_size"] for n in notes] == [12, 12]
+    assert all(independent.cosignatures(n["note"], vkey) for n in notes)
+    cosigned = [re.search(r'outcome="cosigned"[^}]*\} (\d+)', m) for m in metrics]
+    assert all(cosigned) and sum(int(c.group(1)) for c in cosigned) >= 2, metrics
+    assert not any('outcome="refused"' in m for m in metrics)
+    assert not (tmp_path / "witness" / "evidence.jsonl").exists()
