@@ -25,11 +25,15 @@ from auditor.crypto import KeyRing
 from auditor.db.session import create_engine, create_sessionmaker
 from auditor.errors import exception_handlers
 from auditor.ledger import Ledger
+from auditor.logs import log_failure
 from auditor.metrics import Metrics
 from auditor.ratelimit import Limiter, RateLimiter, RedisRateLimiter
 from auditor.replay import ReplayService
+from auditor.reports.service import generator_version
 from auditor.routes import default_route_handlers
 from auditor.routes.deps import Services
+from auditor.routes.openapi import openapi_config
+from auditor.routes.validation import check_request
 from auditor.service import CompletionService
 from auditor.settings import Settings
 from auditor.witnessing import WitnessPool
@@ -103,7 +107,7 @@ async def _load_and_start(services: Services, loader: EngineLoader) -> None:
         await engine.start()
     except Exception as exc:  # noqa: BLE001 - reported by /readyz and 503s, and logged
         services.engine_error = f"{type(exc).__name__}: {exc}"
-        log.exception("engine failed to load")
+        log_failure(log, "engine failed to load", exc)
         services.engine_loaded.set()
         return
     attach_engine(services, engine)
@@ -153,8 +157,9 @@ def create_app(
         on_startup=[startup],
         on_shutdown=[shutdown],
         middleware=[lambda app: observe(app, services)],
+        before_request=check_request,
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=None,
+        openapi_config=openapi_config(generator_version()),
         logging_config=None,  # logging is configured once at the edge (auditor.logs, by `serve`)
         debug=False,
     )

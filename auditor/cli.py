@@ -112,8 +112,9 @@ def serve(args: argparse.Namespace) -> int:
             print(secret, flush=True)
     print(f"Verbatim listening on http://{settings.host}:{settings.port} (model loads in the background; "
           "GET /readyz says when it is ready)", flush=True)
+    # log_config=None: uvicorn's records go through the service's handler (JSON, exception text withheld).
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                access_log=False, timeout_graceful_shutdown=10)
+                log_config=None, access_log=False, timeout_graceful_shutdown=10)
     return 0
 
 

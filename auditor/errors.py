@@ -11,7 +11,9 @@ import logging
 from typing import Any, Callable
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
+
+from auditor.logs import log_failure
 
 log = logging.getLogger("auditor.errors")
 
@@ -71,6 +73,17 @@ def _api_error(_: Request, exc: ApiError) -> Response:
     return Response(error_body(exc.status, exc.message, exc.param, exc.code), status_code=exc.status, headers=exc.headers)
 
 
+def _validation_exception(_: Request, exc: ValidationException) -> Response:
+    """litestar's own parameter checks (types, ``ge``/``le``, literals): name the first parameter,
+    and never echo the request URL (its query may hold anything)."""
+    problems = [e for e in exc.extra if isinstance(e, dict)] if isinstance(exc.extra, list) else []
+    keyed = [e for e in problems if e.get("key")]
+    if not keyed:
+        return Response(error_body(400, "invalid request parameters", None, "invalid_value"), status_code=400)
+    message = "; ".join(f"{e['key']}: {e.get('message', 'invalid value')}" for e in keyed)
+    return Response(error_body(400, message, str(keyed[0]["key"]), "invalid_value"), status_code=400)
+
+
 def _http_exception(_: Request, exc: HTTPException) -> Response:
     status = exc.status_code
     code = {413: "request_too_large", 404: "not_found", 405: "method_not_allowed"}.get(status)
@@ -81,9 +94,10 @@ def _http_exception(_: Request, exc: HTTPException) -> Response:
 
 
 def _unexpected(request: Request, exc: Exception) -> Response:
-    log.exception("unhandled error", extra={"path": request.url.path})
+    log_failure(log, "unhandled error", exc, path=request.url.path)
     return Response(error_body(500, "internal server error", None, "internal_error"), status_code=500)
 
 
 def exception_handlers() -> dict[type[Exception] | int, Callable[..., Response]]:
-    return {ApiError: _api_error, HTTPException: _http_exception, Exception: _unexpected}
+    return {ApiError: _api_error, ValidationException: _validation_exception, HTTPException: _http_exception,
+            Exception: _unexpected}

@@ -57,6 +57,7 @@ from auditor.attestation import ReplayAttestationInputs, ReplayVerdict, SignedAt
 from auditor.auth import Principal
 from auditor.db.models import AccessAction, LeafKind, ReplayJob, ReplayStatus, Role
 from auditor.errors import ApiError, not_found
+from auditor.logs import log_failure
 from auditor.queries import record_access
 from auditor.canonical import timestamp
 from auditor.repository import iso_utc
@@ -410,8 +411,8 @@ class ReplayService:
             try:
                 await self.requeue()
                 ran = await self.run_batch(await self._claim())
-            except Exception:
-                log.exception("replay batch failed")
+            except Exception as exc:  # noqa: BLE001 - the worker carries on
+                log_failure(log, "replay batch failed", exc)
                 ran = 0
             if not ran:
                 try:
@@ -476,7 +477,7 @@ class ReplayService:
         try:
             return await self._prepare(job_id, engine)
         except Exception as exc:  # noqa: BLE001 - the job fails with the reason; the batch goes on
-            log.exception("preparing replay %s failed", job_id)
+            log_failure(log, "preparing a replay failed", exc, replay_id=job_id)
             return _Claimed(job_id, error=f"{type(exc).__name__}: {exc}")
 
     async def _prepare(self, job_id: str, engine: Any) -> _Claimed:
@@ -512,7 +513,7 @@ class ReplayService:
                 await self._execute(engine, [c])
             return
         except Exception as exc:  # noqa: BLE001 - recorded on each job; the worker carries on
-            log.exception("engine replay failed")
+            log_failure(log, "engine replay failed", exc)
             for c in runnable:
                 c.error = f"engine replay failed: {type(exc).__name__}: {exc}"
             return

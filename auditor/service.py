@@ -19,6 +19,7 @@ from engine.sampling import SamplingParams
 from auditor.canonical import timestamp
 from auditor.errors import ApiError, bad_request
 from auditor.ledger import Appended, Ledger, TranscriptDraft
+from auditor.logs import log_failure
 from auditor.metrics import Metrics
 from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
 
@@ -228,8 +229,8 @@ class CompletionService:
                 log.warning("client disconnected before any output", extra={"transcript_id": prepared.transcript_id})
                 return
             await self.record(prepared, output, Status.CLIENT_DISCONNECTED)
-        except Exception:
-            log.exception("recording a disconnected request failed", extra={"transcript_id": prepared.transcript_id})
+        except Exception as exc:  # noqa: BLE001 - a background task: log it, the client is gone
+            log_failure(log, "recording a disconnected request failed", exc, transcript_id=prepared.transcript_id)
 
     async def drain(self) -> None:
         """Wait for background recordings (on shutdown)."""

@@ -24,8 +24,10 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    TypeDecorator,
     UniqueConstraint,
 )
+from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from auditor.transcript import Status as TranscriptStatus  # the signed statuses are the stored ones
@@ -43,6 +45,21 @@ APPEND_ONLY_TABLES = ("transcripts", "log_leaves", "log_checkpoints", "access_lo
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class Utf8Text(TypeDecorator[str]):
+    """A string stored as its UTF-8 bytes (``bytea`` / BLOB). PostgreSQL ``text`` cannot hold NUL
+    (U+0000), which a client may send in a prompt and a model may emit; bytes hold every Unicode
+    string, so content is stored exactly as received on both databases."""
+
+    impl = LargeBinary
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> bytes | None:
+        return None if value is None else value.encode("utf-8")
+
+    def process_result_value(self, value: bytes | None, dialect: Dialect) -> str | None:
+        return None if value is None else bytes(value).decode("utf-8")
 
 
 class Role(str, enum.Enum):
@@ -151,8 +168,8 @@ class TranscriptContent(Base):
     token_logprobs: Mapped[list[float]] = mapped_column(JSON)
     request_json: Mapped[dict] = mapped_column(JSON)
     """The validated request (prompt or messages and parameters), for replay and reports."""
-    prompt_text: Mapped[str] = mapped_column(Text)
-    output_text: Mapped[str] = mapped_column(Text)
+    prompt_text: Mapped[str] = mapped_column(Utf8Text)
+    output_text: Mapped[str] = mapped_column(Utf8Text)
 
 
 class LogLeaf(Base):

@@ -1,4 +1,9 @@
-"""Async engine and session factory for a database URL (SQLite file or PostgreSQL)."""
+"""Async engine and session factory for a database URL (SQLite file or PostgreSQL).
+
+SQL parameters are content (prompt and output text, token ids, logprobs, salts): the engine is built
+with ``hide_parameters`` so no SQLAlchemy error message or statement log carries them, and the SQLite
+driver's DEBUG log (every call with its arguments) is kept quiet.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ from sqlalchemy import event
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker, create_async_engine
 
+from auditor.logs import quiet_drivers
+
 
 def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
@@ -16,8 +23,9 @@ def is_sqlite(url: str) -> bool:
 
 def create_engine(url: str, *, schema: str | None = None) -> AsyncEngine:
     """Build the async engine. ``schema`` sets the PostgreSQL search_path (tests use a fresh one)."""
-    kwargs: dict[str, Any] = {"pool_pre_ping": True}
+    kwargs: dict[str, Any] = {"pool_pre_ping": True, "hide_parameters": True}
     if is_sqlite(url):
+        quiet_drivers()
         database = make_url(url).database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)

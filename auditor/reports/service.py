@@ -21,6 +21,7 @@ from auditor.auth import Principal
 from auditor.crypto import KeyRing, KeyRole
 from auditor.db.models import AccessAction
 from auditor.ledger import Ledger
+from auditor.logs import log_failure
 from auditor.queries import record_access
 from auditor.reports.bundle import build_bundle
 from auditor.reports.collect import Progress, collect
@@ -118,7 +119,7 @@ class ReportService:
             data = await asyncio.to_thread(build_bundle, inputs, self._keyring.signer(KeyRole.REPORT))
             progress("render", 1, 1)
         except Exception as exc:  # noqa: BLE001 - the job records why it failed
-            log.exception("report job failed", extra={"event": "report_failed", "report_id": job.id})
+            log_failure(log, "report job failed", exc, event="report_failed", report_id=job.id)
             return self.jobs.save(replace(job, status=JobStatus.FAILED, finished_at=_now(),
                                           error=f"{type(exc).__name__}: {exc}"))
         return self.jobs.write_bundle(job, data, len(inputs.transcripts), cn.sha256_hex(data), _now())

@@ -14,9 +14,12 @@ from litestar.response import Stream
 from auditor.auth import Principal, require_role
 from auditor.db.models import Role
 from auditor.errors import ApiError, error_body
+from auditor.logs import log_failure
 from auditor.routes import openai_schemas as schemas
 from auditor.routes.deps import Services, provide_principal
 from auditor.routes.openai_format import ChunkWriter, final_body
+from auditor.routes.openapi import SECURITY
+from auditor.routes.validation import json_body
 from auditor.service import CompletionService, GenerationRequest, Prepared
 from auditor.transcript import Status
 
@@ -28,18 +31,19 @@ GENERATE_ROLES = (Role.CLIENT, Role.ADMIN)
 
 class CompletionsController(Controller):
     path = "/v1"
+    security = SECURITY
     dependencies = {"principal": Provide(provide_principal)}
 
-    @post("/completions", status_code=200)
+    @post("/completions", status_code=200, opt={"body": schemas.CompletionBody})
     async def completions(self, request: Request[Any, Any, Any], services: Services, principal: Principal) -> Response[Any]:
         require_role(principal, GENERATE_ROLES)
-        body = schemas.decode(await request.body(), schemas.CompletionBody)
+        body = await json_body(request, schemas.CompletionBody)
         return await _serve(services, principal, schemas.completion_request(body, services.settings.deterministic_default))
 
-    @post("/chat/completions", status_code=200)
+    @post("/chat/completions", status_code=200, opt={"body": schemas.ChatBody})
     async def chat_completions(self, request: Request[Any, Any, Any], services: Services, principal: Principal) -> Response[Any]:
         require_role(principal, GENERATE_ROLES)
-        body = schemas.decode(await request.body(), schemas.ChatBody)
+        body = await json_body(request, schemas.ChatBody)
         return await _serve(services, principal, schemas.chat_request(body, services.settings.deterministic_default))
 
     @get("/models")
@@ -63,6 +67,19 @@ async def _serve(services: Services, principal: Principal, request: GenerationRe
     return Response(body, headers=headers)
 
 
+_NOT_RECORDED = error_body(500, "the transcript could not be recorded; nothing was kept", None, "recording_failed")
+
+
+async def _record_error(service: CompletionService, prepared: Prepared, last: Any) -> bool:
+    """Record what was committed before the engine failed, as status ``error``; False if that failed."""
+    try:
+        await service.record_shielded(prepared, last, Status.ERROR)
+    except Exception as exc:  # noqa: BLE001 - logged; the client is told nothing was kept
+        log_failure(log, "recording a failed generation failed", exc, transcript_id=prepared.transcript_id)
+        return False
+    return True
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
 
@@ -71,7 +88,8 @@ async def _sse(service: CompletionService, prepared: Prepared, fingerprint: str)
     """Committed text as it arrives, the finish chunk, a chunk with the transcript, ``[DONE]``.
 
     If the client goes away (the generator is cancelled or closed) before generation ends, the
-    request is aborted and its committed tokens are recorded as ``client_disconnected``.
+    request is aborted and its committed tokens are recorded as ``client_disconnected``. If recording
+    fails, nothing was kept: the stream ends with an error event and without ``[DONE]``.
     """
     writer = ChunkWriter(prepared, service.model_name, fingerprint, service.engine.tokenizer)
     last = None
@@ -87,22 +105,24 @@ async def _sse(service: CompletionService, prepared: Prepared, fingerprint: str)
                 yield _event(chunk)
         generating = False
         if last is None:
-            raise RuntimeError(f"engine produced no output for request {prepared.transcript_id}")
+            raise RuntimeError("the engine produced no output")
         recorded = await service.record_shielded(prepared, last, Status.COMPLETED)
         yield _event(writer.last(last, recorded))
     except ApiError as exc:
         generating = False
         yield _event(error_body(exc.status, exc.message, exc.param, exc.code))
-    except Exception:
+    except Exception as exc:
         if not generating:
-            raise  # recording failed: nothing was committed, end the stream without [DONE]
+            log_failure(log, "recording a streamed completion failed", exc, transcript_id=prepared.transcript_id)
+            yield _event(_NOT_RECORDED)
+            return
         generating = False
-        log.exception("generation failed mid-stream", extra={"transcript_id": prepared.transcript_id})
-        if last is not None:
-            await service.record_shielded(prepared, last, Status.ERROR)
+        log_failure(log, "generation failed mid-stream", exc, transcript_id=prepared.transcript_id)
+        if last is not None and not await _record_error(service, prepared, last):
+            yield _event(_NOT_RECORDED)
+            return
         yield _event(error_body(500, "generation failed; the committed tokens were recorded", None, "engine_error"))
     finally:
         if generating:
             service.record_disconnect(prepared, last)
     yield b"data: [DONE]\n\n"
-

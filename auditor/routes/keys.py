@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from litestar import Controller, Request, delete, get, post
@@ -12,14 +12,17 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from auditor import auth, repository
 from auditor.auth import Principal, require_role
 from auditor.db.models import ApiKey, Role
-from auditor.errors import bad_request, not_found
+from auditor.errors import not_found
 from auditor.repository import utc
 from auditor.routes.deps import provide_db_session, provide_principal
+from auditor.routes.openapi import SECURITY
+from auditor.routes.validation import check_text, json_body
 
 
 class NewKey(msgspec.Struct, forbid_unknown_fields=True):
     role: Role
-    name: str | None = None
+    name: Annotated[str, msgspec.Meta(max_length=128)] | None = None
+    """A free-form label (at most 128 characters, the column's width)."""
 
 
 def key_json(row: ApiKey) -> dict[str, Any]:
@@ -30,6 +33,7 @@ def key_json(row: ApiKey) -> dict[str, Any]:
 
 class KeysController(Controller):
     path = "/v1/admin/keys"
+    security = SECURITY
     dependencies = {"principal": Provide(provide_principal), "db_session": Provide(provide_db_session)}
 
     @get("/")
@@ -38,14 +42,12 @@ class KeysController(Controller):
         rows = await repository.list_api_keys(db_session, principal.tenant)
         return {"object": "list", "data": [key_json(r) for r in rows]}
 
-    @post("/", status_code=201)
+    @post("/", status_code=201, opt={"body": NewKey})
     async def create_key(self, request: Request[Any, Any, Any], db_session: AsyncSession,
                          principal: Principal) -> dict[str, Any]:
         require_role(principal, (Role.ADMIN,))
-        try:
-            body = msgspec.json.decode(await request.body(), type=NewKey)
-        except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-            raise bad_request(f"invalid request: {exc}", param="role") from None
+        body = await json_body(request, NewKey)
+        check_text(body.name, "name")
         row, secret = await auth.create_key(db_session, principal.tenant, body.role, body.name)
         return {**key_json(row), "key": secret}
 

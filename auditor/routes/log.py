@@ -7,6 +7,7 @@ tree size, so a client can check them against the checkpoint it just fetched.
 from __future__ import annotations
 
 import base64
+import re
 from typing import Any, Literal
 
 from litestar import Controller, Response, get
@@ -18,6 +19,8 @@ from auditor import repository
 from auditor.errors import bad_request, not_found
 from auditor.merkle import ProofError
 from auditor.routes.deps import Services, provide_db_session, witnessed_size
+
+_DIGEST = re.compile(r"^[0-9a-fA-F]{64}$")
 
 
 class LogController(Controller):
@@ -82,10 +85,9 @@ class LogController(Controller):
 
 
 async def _index_of(session: AsyncSession, envelope_digest: str) -> int:
-    try:
-        entry = bytes.fromhex(envelope_digest)
-    except ValueError:
-        raise bad_request("envelope_digest must be 64 hex characters", param="envelope_digest") from None
+    if not _DIGEST.match(envelope_digest):
+        raise bad_request("envelope_digest must be 64 hex characters (a SHA-256)", param="envelope_digest")
+    entry = bytes.fromhex(envelope_digest)
     leaf = await repository.leaf_for_entry(session, entry)
     if leaf is None:
         raise not_found(f"no log entry with envelope digest {envelope_digest}")

@@ -1,13 +1,13 @@
 """OpenAI request bodies (typed with msgspec) and their conversion to a ``GenerationRequest``.
 
-Decoding is strict: wrong types, unknown fields and malformed JSON become a 400 naming the field;
-range checks are left to ``SamplingParams.validate`` / ``engine.validate`` (also 400, mapped by the
-service), so there is one source of truth for limits.
+Decoding is strict (``auditor.routes.validation.json_body``): wrong types, unknown fields, malformed
+JSON and lone surrogates become a 400 naming the field, and so does a chat message without text
+content; range checks are left to ``SamplingParams.validate`` / ``engine.validate`` (also 400, mapped
+by the service), so there is one source of truth for limits.
 """
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import msgspec
@@ -50,15 +50,26 @@ class CompletionBody(_Common, kw_only=True):
     best_of: int | None = None
 
 
-class ContentPart(msgspec.Struct, kw_only=True):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     type: str
     text: str | None = None
+    # Other part kinds' fields, named so that they are refused as unsupported parts, not unknown fields:
+    image_url: Any = None
+    input_audio: Any = None
+    file: Any = None
+    refusal: Any = None
 
 
-class ChatMessage(msgspec.Struct, kw_only=True):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    # A returned assistant message sent back as history carries these as null; anything else is refused.
+    refusal: None = None
+    tool_calls: None = None
+    function_call: None = None
+    audio: None = None
+    annotations: None = None
 
 
 class ChatBody(_Common, kw_only=True):
@@ -73,30 +84,6 @@ class ChatBody(_Common, kw_only=True):
 
 
 CHAT_DEFAULT_MAX_TOKENS = 256
-
-_AT = re.compile(r"at `\$\.?([^`]*)`")
-_FIELD = re.compile(r"field `([^`]+)`")
-
-
-def decode(raw: bytes, kind: type[CompletionBody] | type[ChatBody]) -> CompletionBody | ChatBody:
-    """Decode a request body; every failure is a 400 naming the offending field."""
-    if not raw.strip():
-        raise bad_request("request body is empty; expected a JSON object", code="invalid_json")
-    try:
-        return msgspec.json.decode(raw, type=kind)
-    except msgspec.ValidationError as exc:
-        raise bad_request(f"invalid request: {exc}", param=_param(str(exc)), code="invalid_type") from None
-    except msgspec.DecodeError as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}", code="invalid_json") from None
-
-
-def _param(message: str) -> str | None:
-    field = _FIELD.search(message)
-    at = _AT.search(message)
-    path = at.group(1) if at else ""
-    if field:
-        return f"{path}.{field.group(1)}" if path else field.group(1)
-    return path or None
 
 
 def _unsupported(body: _Common) -> None:
@@ -159,13 +146,18 @@ def _message_text(message: ChatMessage, index: int) -> dict[str, str]:
     if message.role not in ("system", "user", "assistant", "developer"):
         raise bad_request(f"messages[{index}].role {message.role!r} is not supported",
                           param=f"messages[{index}].role")
+    param = f"messages[{index}].content"
     content = message.content
+    if content is None:
+        raise bad_request(f"{param} is required: every message needs text content", param=param)
     if isinstance(content, list):
         if any(part.type != "text" or part.text is None for part in content):
-            raise bad_request("only text content parts are supported", param=f"messages[{index}].content")
+            raise bad_request("only text content parts are supported", param=param)
         content = "".join(part.text or "" for part in content)
+    if not content:
+        raise bad_request(f"{param} is empty: every message needs text content", param=param)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content or ""}
+    return {"role": role, "content": content}
 
 
 def chat_request(body: ChatBody, deterministic_default: bool) -> GenerationRequest:

@@ -13,6 +13,7 @@ from litestar.di import Provide
 from auditor.auth import Principal
 from auditor.replay import ReplayService
 from auditor.routes.deps import provide_principal
+from auditor.routes.openapi import SECURITY
 
 _FINAL = ("done", "failed")
 
@@ -23,10 +24,11 @@ def provide_replays(request: Request[Any, Any, Any]) -> ReplayService:
 
 class ReplayController(Controller):
     path = "/v1"
+    security = SECURITY
     dependencies = {"principal": Provide(provide_principal),
                     "replays": Provide(provide_replays, sync_to_thread=False)}
 
-    @post("/transcripts/{transcript_id:str}/replay")
+    @post("/transcripts/{transcript_id:str}/replay", status_code=202)
     async def start(self, transcript_id: str, principal: Principal, replays: ReplayService,
                     wait: bool = False) -> Response[dict[str, Any]]:
         job = await replays.submit(principal, transcript_id)

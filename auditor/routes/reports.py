@@ -22,6 +22,8 @@ from auditor.reports.inputs import ReportFilters
 from auditor.reports.jobs import JobStatus, ReportJob
 from auditor.reports.service import ReportService
 from auditor.routes.deps import provide_principal
+from auditor.routes.openapi import SECURITY
+from auditor.routes.validation import aware, check_text, json_body
 
 REPORT_ROLES = (Role.AUDITOR, Role.ADMIN)
 
@@ -38,22 +40,14 @@ def provide_reports(request: Request[Any, Any, Any]) -> ReportService:
     return ReportService.for_app(request.app)
 
 
-def _aware(value: dt.datetime | None, name: str) -> dt.datetime | None:
-    if value is not None and value.tzinfo is None:
-        raise bad_request(f"{name} must carry a time zone (e.g. 2026-01-01T00:00:00Z)", param=name)
-    return value.astimezone(dt.UTC) if value else None
-
-
-def parse_filters(raw: bytes, tenant: str) -> ReportFilters:
+def filters_from(body: NewReport, tenant: str) -> ReportFilters:
+    """The tenant's report filters from a decoded request; every refusal is a 400 naming the field."""
+    since, until = aware(body.since, "since"), aware(body.until, "until")
     try:
-        body = msgspec.json.decode(raw or b"{}", type=NewReport)
-    except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-        raise bad_request(f"invalid report request: {exc}") from None
-    try:
-        return ReportFilters(tenant, _aware(body.since, "since"), _aware(body.until, "until"), body.model or None,
-                             body.deterministic_only, body.include_content)
+        return ReportFilters(tenant, since, until, check_text(body.model, "model") or None, body.deterministic_only,
+                             body.include_content)
     except ValueError as exc:
-        raise bad_request(str(exc), param="since") from None
+        raise bad_request(str(exc), param="until") from None
 
 
 def job_json(job: ReportJob) -> dict[str, Any]:
@@ -62,12 +56,14 @@ def job_json(job: ReportJob) -> dict[str, Any]:
 
 class ReportsController(Controller):
     path = "/v1/reports"
+    security = SECURITY
     dependencies = {"principal": Provide(provide_principal), "reports": Provide(provide_reports, sync_to_thread=False)}
 
-    @post("/", status_code=202)
+    @post("/", status_code=202, opt={"body": NewReport})
     async def create(self, request: Request[Any, Any, Any], principal: Principal, reports: ReportService) -> dict[str, Any]:
         require_role(principal, REPORT_ROLES)
-        job = await reports.submit(principal, parse_filters(await request.body(), principal.tenant))
+        filters = filters_from(await json_body(request, NewReport), principal.tenant)
+        job = await reports.submit(principal, filters)
         return job_json(job)
 
     @get("/")

@@ -12,13 +12,16 @@ from sqlalchemy.ext.asyncio import AsyncSession
 
 from auditor import queries, repository
 from auditor.auth import Principal
-from auditor.errors import bad_request
 from auditor.repository import TranscriptFilter
 from auditor.routes.deps import Services, provide_db_session, provide_principal, witnessed_size
+from auditor.routes.openapi import SECURITY
+from auditor.routes.validation import aware, check_id
+from auditor.transcript import Status
 
 
 class TranscriptsController(Controller):
     path = "/v1/transcripts"
+    security = SECURITY
     dependencies = {"principal": Provide(provide_principal), "db_session": Provide(provide_db_session)}
 
     @get("/")
@@ -31,14 +34,15 @@ class TranscriptsController(Controller):
         order: Literal["asc", "desc"] = "desc",
         model: str | None = None,
         deterministic: bool | None = None,
-        status: str | None = None,
+        status: Status | None = None,
         since: dt.datetime | None = None,
         until: dt.datetime | None = None,
     ) -> dict[str, Any]:
-        where = TranscriptFilter(principal.tenant, model, deterministic, status, _aware(since, "since"),
-                                 _aware(until, "until"))
-        page = await queries.transcript_page(db_session, principal, where, after=after, limit=limit,
-                                             descending=order == "desc")
+        """``after``: the ``last_id`` of the previous page (a transcript id)."""
+        where = TranscriptFilter(principal.tenant, model, deterministic, status.value if status else None,
+                                 aware(since, "since"), aware(until, "until"))
+        page = await queries.transcript_page(db_session, principal, where, after=check_id(after, "after"),
+                                             limit=limit, descending=order == "desc")
         return page.to_json()
 
     @get("/{transcript_id:str}")
@@ -60,10 +64,3 @@ class TranscriptsController(Controller):
                                                  transcript_id, include_content=include_content, verify=verify,
                                                  at_size=at_size)
 
-
-def _aware(value: dt.datetime | None, name: str) -> dt.datetime | None:
-    if value is None:
-        return None
-    if value.tzinfo is None:
-        raise bad_request(f"{name} must carry a time zone (e.g. 2026-01-01T00:00:00Z)", param=name)
-    return value.astimezone(dt.UTC)

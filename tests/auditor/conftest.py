@@ -145,8 +145,9 @@ class LiveServer:
 
     def _make_server(self) -> uvicorn.Server:
         self.app = create_app(self.settings, engine=self.engine, routes=self.routes)
+        # log_config=None as `serve` runs it: uvicorn's records reach the root logger (and caplog).
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.settings.port, log_level="warning",
-                                lifespan="on", timeout_graceful_shutdown=5)
+                                log_config=None, lifespan="on", timeout_graceful_shutdown=5)
         self._server = uvicorn.Server(config)
         return self._server
 
