@@ -10,7 +10,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -68,9 +68,9 @@ async def _pg_execute(url: str, *statements: str) -> None:
         await connection.close()
 
 
-@pytest.fixture
-def pg_schema() -> Iterator[tuple[str, str]]:
-    """A fresh, empty PostgreSQL schema (dropped afterwards): (url, schema)."""
+@contextmanager
+def fresh_pg_schema() -> Iterator[tuple[str, str]]:
+    """A fresh, empty PostgreSQL schema (dropped afterwards): (url, schema); skips without a server."""
     url = postgres_url()
     schema = "verbatim_test_" + secrets.token_hex(6)
     asyncio.run(_pg_execute(url, f"CREATE SCHEMA {schema}"))
@@ -78,6 +78,13 @@ def pg_schema() -> Iterator[tuple[str, str]]:
         yield url, schema
     finally:
         asyncio.run(_pg_execute(url, f"DROP SCHEMA {schema} CASCADE"))
+
+
+@pytest.fixture
+def pg_schema() -> Iterator[tuple[str, str]]:
+    """A fresh, empty PostgreSQL schema (dropped afterwards): (url, schema)."""
+    with fresh_pg_schema() as url_schema:
+        yield url_schema
 
 
 @pytest.fixture
@@ -251,6 +258,25 @@ async def fake_server(tmp_path: Path) -> AsyncIterator[LiveServer]:
 async def fake_pg_server(pg_settings: Settings) -> AsyncIterator[LiveServer]:
     """A fresh PostgreSQL schema and a server on the fake engine with the ``DEFAULT_KEYS``."""
     async with serving(pg_settings, FakeAsyncEngine(), DEFAULT_KEYS) as server:
+        yield server
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def any_database(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Settings]:
+    """Settings for a fresh migrated database, once on SQLite and once on PostgreSQL."""
+    if request.param == "sqlite":
+        yield sqlite_settings(tmp_path)
+        return
+    with fresh_pg_schema() as (url, schema):
+        settings = Settings(data_dir=tmp_path, port=free_port(), database_url=url, database_schema=schema)
+        migrate.upgrade(url, schema=schema)
+        yield settings
+
+
+@pytest.fixture
+async def fake_any_server(any_database: Settings) -> AsyncIterator[LiveServer]:
+    """A server on the fake engine with the ``DEFAULT_KEYS``, once per database (``any_database``)."""
+    async with serving(any_database, FakeAsyncEngine(), DEFAULT_KEYS) as server:
         yield server
 
 
