@@ -22,8 +22,10 @@ FIELDS = ("event", "method", "path", "route", "status", "duration_ms", "key_id",
           "log_index", "completion_tokens", "error", "trace", "report_id", "replay_id", "count")
 
 _CODE = re.compile(r"^[A-Za-z0-9_]{1,40}$")
-_DRIVER_LOGGERS = ("aiosqlite",)
-"""Drivers that log every call with its arguments (the SQL parameters) at DEBUG."""
+_DATA_AT_DEBUG = ("aiosqlite", "sqlalchemy.engine.Engine")
+"""Loggers whose DEBUG lines carry data: aiosqlite logs every call with its arguments (the SQL
+parameters), SQLAlchemy every result row. Their INFO lines (SQLAlchemy's statements, parameters
+hidden by ``hide_parameters``) are kept."""
 
 
 def _chain(exc: BaseException) -> Iterator[BaseException]:
@@ -100,12 +102,17 @@ def handler(stream: object = None) -> logging.Handler:
     return out
 
 
+class _DropDebug(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno > logging.DEBUG
+
+
 def quiet_drivers() -> None:
-    """Keep database drivers that log SQL parameters at DEBUG above DEBUG, whatever the root level."""
-    for name in _DRIVER_LOGGERS:
+    """Drop the DEBUG records of the loggers in ``_DATA_AT_DEBUG``, whatever level they are set to."""
+    for name in _DATA_AT_DEBUG:
         logger = logging.getLogger(name)
-        if logger.level == logging.NOTSET or logger.level < logging.INFO:
-            logger.setLevel(logging.INFO)
+        if not any(isinstance(f, _DropDebug) for f in logger.filters):
+            logger.addFilter(_DropDebug())
 
 
 def configure(level: str) -> None:

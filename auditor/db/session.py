@@ -1,8 +1,9 @@
 """Async engine and session factory for a database URL (SQLite file or PostgreSQL).
 
 SQL parameters are content (prompt and output text, token ids, logprobs, salts): the engine is built
-with ``hide_parameters`` so no SQLAlchemy error message or statement log carries them, and the SQLite
-driver's DEBUG log (every call with its arguments) is kept quiet.
+with ``hide_parameters`` so no SQLAlchemy error message or statement log carries them, and the DEBUG
+lines that carry data (the SQLite driver's calls with their arguments, SQLAlchemy's result rows) are
+dropped (``auditor.logs.quiet_drivers``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def is_sqlite(url: str) -> bool:
 def create_engine(url: str, *, schema: str | None = None) -> AsyncEngine:
     """Build the async engine. ``schema`` sets the PostgreSQL search_path (tests use a fresh one)."""
     kwargs: dict[str, Any] = {"pool_pre_ping": True, "hide_parameters": True}
+    quiet_drivers()
     if is_sqlite(url):
-        quiet_drivers()
         database = make_url(url).database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
