@@ -8,7 +8,7 @@ by the service), so there is one source of truth for limits.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -61,7 +61,7 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    role: str
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
     # A returned assistant message sent back as history carries these as null; anything else is refused.
@@ -143,9 +143,6 @@ def completion_request(body: CompletionBody, deterministic_default: bool) -> Gen
 
 
 def _message_text(message: ChatMessage, index: int) -> dict[str, str]:
-    if message.role not in ("system", "user", "assistant", "developer"):
-        raise bad_request(f"messages[{index}].role {message.role!r} is not supported",
-                          param=f"messages[{index}].role")
     param = f"messages[{index}].content"
     content = message.content
     if content is None:

@@ -17,6 +17,7 @@ from litestar.openapi.plugins import JsonRenderPlugin
 from litestar.openapi.spec import Components, SecurityScheme
 from litestar.routes import HTTPRoute
 
+from auditor.routes.openai_schemas import ChatBody, CompletionBody
 from auditor.routes.validation import accepts_empty
 
 PATH = "/openapi.json"
@@ -46,10 +47,14 @@ class BodiesJsonPlugin(JsonRenderPlugin):
     """litestar's JSON document plus the request bodies named in ``opt["body"]`` and the error schema."""
 
     def render(self, request: Request[Any, Any, Any], openapi_schema: dict[str, Any]) -> bytes:
-        return self.render_json(request, with_bodies(openapi_schema, request.app.routes))
+        completions = request.app.state.services.completions
+        served = completions.model_name if completions is not None else None
+        return self.render_json(request, with_bodies(openapi_schema, request.app.routes, served))
 
 
-def with_bodies(document: dict[str, Any], routes: list[Any]) -> dict[str, Any]:
+def with_bodies(document: dict[str, Any], routes: list[Any], served_model: str | None = None) -> dict[str, Any]:
+    """``document`` with the JSON request bodies, the error schema on every error answer and, once
+    the engine is up, the one model name the generation routes accept."""
     document = msgspec.to_builtins(document)
     bodies = [(route.path_format, method.lower(), handler.opt["body"]) for route in routes
               if isinstance(route, HTTPRoute) for method, (handler, _) in route.route_handler_map.items()
@@ -58,6 +63,9 @@ def with_bodies(document: dict[str, Any], routes: list[Any]) -> dict[str, Any]:
     schemas = document.setdefault("components", {}).setdefault("schemas", {})
     schemas.update(components)
     schemas["Error"] = _ERROR
+    for kind in (CompletionBody, ChatBody):
+        if served_model is not None and kind.__name__ in schemas:
+            schemas[kind.__name__]["properties"]["model"] = {"type": "string", "enum": [served_model]}
     for (path, method, kind), ref in zip(bodies, refs):
         operation = document.get("paths", {}).get(path, {}).get(method)
         if operation is not None:
