@@ -26,11 +26,12 @@ from auditor.reports.manifest import (
 from auditor.reports.narrative import ContentItem, Narrative, render_html
 from auditor.reports.pdf import render_pdf
 from auditor.reports.stats import compute_stats
+from auditor.reports.scope import ChainLink, Scope, chain_findings
 from auditor.reports.summary import (
     SUMMARY_COLUMNS,
+    readable_statement,
     replay_status,
     summary_row,
-    unverified_statement,
     write_csv,
 )
 from auditor.transcript import verify_transcript
@@ -56,33 +57,70 @@ def jsonl(objs: Sequence[Mapping[str, Any]]) -> bytes:
 @dataclass(frozen=True)
 class _Transcript:
     line: dict[str, Any]
-    statement: dict[str, Any]
+    shown: dict[str, Any] | None
+    """The payload as read without checking the signature (the summary's cells); None if unreadable."""
+    link: ChainLink
+    """Chain fields from the signature-checked statement (None fields when it does not verify)."""
     signature_ok: bool
     inclusion_ok: bool
     signer_kids: list[str]
 
+    @property
+    def in_report(self) -> bool:
+        return self.line["scope"] == Scope.REPORT
+
 
 def _transcript(entry: TranscriptEntry, include_content: bool, keys: Mapping[str, Any], end: Checkpoint) -> _Transcript:
-    statement = unverified_statement(entry.envelope)
-    digest = cn.envelope_digest(dict(entry.envelope))
-    signature_ok = verify_transcript(entry.envelope, keys).ok
+    """One line; a damaged envelope (unreadable, altered, unsigned) is kept and reported, never fatal."""
     proof = entry.inclusion_proof
     if proof.tree_size != end.tree_size or proof.log_index != entry.log_index:
-        raise ValueError(f"transcript {statement['predicate']['transcript'].get('id')}: inclusion proof is for index "
-                         f"{proof.log_index} in size {proof.tree_size}, expected {entry.log_index} in {end.tree_size}")
-    try:
-        verify_inclusion(leaf_hash(bytes.fromhex(digest)), proof.log_index, proof.tree_size, proof.hashes, end.root_hash)
-        inclusion_ok = True
-    except ProofError:
-        inclusion_ok = False
+        raise ValueError(f"transcript {entry.transcript_id}: inclusion proof is for index {proof.log_index} in size "
+                         f"{proof.tree_size}, expected {entry.log_index} in {end.tree_size}")
+    shown = readable_statement(entry.envelope)
+    verification = verify_transcript(entry.envelope, keys)
+    signed = verification.statement
+    transcript = (signed or shown or {}).get("predicate", {}).get("transcript", {})
+    tid = entry.transcript_id or str(transcript.get("id"))
+    digest = envelope_digest_or_empty(entry.envelope)
     line: dict[str, Any] = {
-        "transcript_id": statement["predicate"]["transcript"]["id"], "log_index": entry.log_index,
+        "transcript_id": tid, "log_index": entry.log_index, "scope": entry.scope,
         "envelope_digest": digest, "envelope": dict(entry.envelope), "inclusion_proof": proof.to_json(),
     }
-    if include_content and entry.content is not None:
+    if include_content and entry.content is not None and entry.scope == Scope.REPORT:
         line["content"] = entry.content.to_json()
-    kids = [str(s.get("keyid")) for s in entry.envelope.get("signatures", [])]
-    return _Transcript(line, statement, signature_ok, inclusion_ok, kids)
+    link = ChainLink(tid, entry.scope, transcript.get("sequence") if signed else None,
+                     transcript.get("previous_digest") if signed else None, verification.payload_digest)
+    return _Transcript(line, shown, link, verification.ok, _included(digest, proof, end), _kids(entry.envelope))
+
+
+def envelope_digest_or_empty(envelope: Mapping[str, Any]) -> str:
+    """The envelope's digest (its log entry), or ``""`` when a damaged envelope cannot be hashed."""
+    try:
+        return cn.envelope_digest(dict(envelope))
+    except (TypeError, ValueError):
+        return ""
+
+
+def _included(digest: str, proof: Any, end: Checkpoint) -> bool:
+    if not digest:
+        return False
+    try:
+        verify_inclusion(leaf_hash(bytes.fromhex(digest)), proof.log_index, proof.tree_size, proof.hashes, end.root_hash)
+    except ProofError:
+        return False
+    return True
+
+
+def _kids(envelope: Mapping[str, Any]) -> list[str]:
+    signatures = envelope.get("signatures")
+    return [str(s.get("keyid")) for s in signatures if isinstance(s, Mapping)] if isinstance(signatures, list) else []
+
+
+def _row(t: _Transcript, replays: Sequence[Mapping[str, Any]], chain_status: str) -> dict[str, str]:
+    deterministic = bool(t.shown and t.shown["predicate"].get("sampling", {}).get("deterministic"))
+    return summary_row(t.shown, t.line["log_index"], t.signature_ok, replay_status(deterministic, replays),
+                       t.line["envelope_digest"], transcript_id=t.link.transcript_id, scope=t.line["scope"],
+                       chain_status=chain_status)
 
 
 def _attestation_kids(replays: Sequence[Mapping[str, Any]]) -> list[str]:
@@ -129,17 +167,19 @@ def build_bundle(inputs: BundleInputs, signer: Signer) -> bytes:
     by_transcript: dict[str, list[dict[str, Any]]] = {}
     for r in replays:
         by_transcript.setdefault(r["transcript_id"], []).append(r)
-    rows = [summary_row(t.statement, t.line["log_index"], t.signature_ok,
-                        replay_status(bool(t.statement["predicate"]["sampling"].get("deterministic")),
-                                      by_transcript.get(t.line["transcript_id"], [])),
-                        t.line["envelope_digest"]) for t in made]
+    chain = chain_findings([t.link for t in made])
+    rows = [_row(t, by_transcript.get(t.link.transcript_id, []), chain[t.link.transcript_id][0]) for t in made]
+    report = [t for t in made if t.in_report]
     access = [{"at": iso_utc(a.at), "key_id": a.key_id, "tenant": a.tenant, "action": a.action, "target": a.target}
               for a in sorted(inputs.access_log, key=lambda a: a.at)]
     filters = inputs.filters.to_json()
     created_at = iso_utc(inputs.created_at)
-    stats = compute_stats([t.statement for t in made], replays, inputs.jwks,
+    reported_ids = {t.link.transcript_id for t in report}
+    stats = compute_stats([t.shown for t in report if t.shown is not None],
+                          [r for r in replays if r["transcript_id"] in reported_ids], inputs.jwks,
                           [*(k for t in made for k in t.signer_kids), *_attestation_kids(replays), signer.kid],
-                          sum(t.signature_ok for t in made), sum(t.inclusion_ok for t in made))
+                          sum(t.signature_ok for t in report), sum(t.inclusion_ok for t in report),
+                          transcripts=len(report))
     content = [ContentItem(t.line["transcript_id"], t.line["content"]["prompt_text"], t.line["content"]["output_text"])
                for t in made if "content" in t.line] if include else None
     narrative = Narrative(inputs.report_id, created_at, f"verbatim {inputs.generator_version}", filters, stats,
@@ -156,7 +196,8 @@ def build_bundle(inputs: BundleInputs, signer: Signer) -> bytes:
         HTML_PATH: render_html(narrative),
         PDF_PATH: render_pdf(narrative),
     }
-    index = [TranscriptIndexEntry(t.line["transcript_id"], t.line["log_index"], t.line["envelope_digest"]) for t in made]
+    index = [TranscriptIndexEntry(t.line["transcript_id"], t.line["log_index"], t.line["envelope_digest"],
+                                  t.line["scope"]) for t in made]
     manifest = build_manifest(report_id=inputs.report_id, created_at=created_at,
                               generator_version=inputs.generator_version, filters=filters, start=start, end=end,
                               consistency_hashes=len(inputs.log.consistency.hashes), transcripts=index,

@@ -69,12 +69,18 @@ class TranscriptContent:
 
 @dataclass(frozen=True)
 class TranscriptEntry:
-    """One logged transcript: its DSSE envelope, log index and inclusion proof at the end checkpoint."""
+    """One logged transcript: its DSSE envelope, log index and inclusion proof at the end checkpoint.
+
+    ``scope`` says why the bundle carries it (``auditor.reports.scope.Scope``); ``transcript_id`` is
+    the stored row's id, which names the line when the envelope is damaged beyond reading.
+    """
 
     envelope: Mapping[str, Any]
     log_index: int
     inclusion_proof: InclusionProof
     content: TranscriptContent | None = None
+    scope: str = "report"
+    transcript_id: str | None = None
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ it directly; ``manifest.dsse.json`` is the envelope. Fields::
     type              MANIFEST_TYPE
     report_id, created_at, generator {name, version}, tenant, filters, content_included
     log               {start: {origin, tree_size, root_hash}, end: {…}, consistency_hashes}
-    counts            {transcripts, replays, access_log}
-    transcripts       [{id, log_index, envelope_digest}, …] in transcripts.jsonl order
+    counts            {transcripts (scope ``report``), context_transcripts (scopes ``chain``, ``replayed``),
+                       replays, access_log}
+    transcripts       [{id, log_index, envelope_digest, scope}, …] in transcripts.jsonl order
     files             [{path, sha256, size}, …] sorted by path (every file but the two manifest files)
 """
 
@@ -34,9 +35,11 @@ class TranscriptIndexEntry:
     transcript_id: str
     log_index: int
     envelope_digest: str
+    scope: str = "report"
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.transcript_id, "log_index": self.log_index, "envelope_digest": self.envelope_digest}
+        return {"id": self.transcript_id, "log_index": self.log_index, "envelope_digest": self.envelope_digest,
+                "scope": self.scope}
 
 
 def file_entry(path: str, data: bytes) -> dict[str, Any]:
@@ -62,7 +65,9 @@ def build_manifest(*, report_id: str, created_at: str, generator_version: str, f
         "content_included": bool(filters.get("include_content")),
         "log": {"start": checkpoint_json(start), "end": checkpoint_json(end),
                 "consistency_hashes": consistency_hashes},
-        "counts": {"transcripts": len(transcripts), "replays": replays, "access_log": access_log},
+        "counts": {"transcripts": sum(t.scope == "report" for t in transcripts),
+                   "context_transcripts": sum(t.scope != "report" for t in transcripts),
+                   "replays": replays, "access_log": access_log},
         "transcripts": [t.to_json() for t in transcripts],
         "files": [file_entry(p, files[p]) for p in sorted(files)],
     }

@@ -56,8 +56,23 @@ class Narrative:
              else "excluded: digests and signed commitments only"),
         ]
 
+    @property
+    def report_rows(self) -> list[Mapping[str, str]]:
+        """The rows of the report's own transcripts (scope ``report``)."""
+        return [r for r in self.rows if r.get("scope", "report") == "report"]
+
+    @property
+    def context_count(self) -> int:
+        """Transcripts carried only to check the chain or a replay (scopes ``chain`` / ``replayed``)."""
+        return len(self.rows) - len(self.report_rows)
+
+    @property
+    def problems(self) -> list[Mapping[str, str]]:
+        """Rows of damaged transcripts: the signature does not verify, or the chain is broken there."""
+        return [r for r in self.rows if r["signature_status"] != "valid" or r.get("chain_status") == "broken"]
+
     def table_rows(self) -> Sequence[Mapping[str, str]]:
-        return self.rows[:MAX_TABLE_ROWS]
+        return self.report_rows[:MAX_TABLE_ROWS]
 
 
 def clip(text: str, limit: int = MAX_CONTENT_CHARS) -> str:

@@ -85,6 +85,10 @@ def _keys_and_log(n: Narrative) -> list[Flowable]:
         f"Consistency proof start → end: {n.consistency_hashes} hashes.",
         f"{s.signatures_valid} of {s.transcripts} transcript signatures verify against jwks.json.",
         f"{s.inclusion_valid} of {s.transcripts} inclusion proofs verify against the end checkpoint.",
+        f"{n.context_count} further transcripts carried without content for the chain and replays.",
+        f"{len(n.problems)} transcripts damaged (signature does not verify, or the chain is broken there)"
+        + (": " + ", ".join(f"{r['transcript_id']} ({r['signature_status']}, chain {r['chain_status']})"
+                            for r in n.problems[:50]) if n.problems else "."),
         "Check offline: python -m auditor verify-bundle report.zip",
     ]
     w = PAGE_WIDTH
@@ -101,7 +105,8 @@ def _transcripts(n: Narrative) -> list[Flowable]:
     w = PAGE_WIDTH
     widths = [0.22 * w, 0.16 * w, 0.14 * w, 0.06 * w, 0.09 * w, 0.06 * w, 0.07 * w, 0.12 * w, 0.08 * w]
     shown = len(n.table_rows())
-    note = [] if len(n.rows) == shown else [_p(f"First {shown} of {len(n.rows)} (all in summary.csv).")]
+    total = len(n.report_rows)
+    note = [] if total == shown else [_p(f"First {shown} of {total} (all in summary.csv).")]
     return [_h("Transcripts"), *note, _table(rows, widths, mono_cols=(0,))]
 
 

@@ -112,11 +112,12 @@ def _keys(jwks: Mapping[str, Any], signer_kids: Sequence[str]) -> list[KeyUse]:
 
 def compute_stats(statements: Sequence[Mapping[str, Any]], replays: Sequence[Mapping[str, Any]],
                   jwks: Mapping[str, Any], signer_kids: Sequence[str], signatures_valid: int,
-                  inclusion_valid: int) -> ReportStats:
-    """Aggregate the (already decoded) statements and replay job objects of one report."""
+                  inclusion_valid: int, *, transcripts: int | None = None) -> ReportStats:
+    """Aggregate the (already decoded) statements and replay job objects of one report; ``transcripts``
+    counts the report's transcripts when some payloads could not be decoded (default: the statements)."""
     deterministic = sum(1 for st in statements if _pred(st, "sampling").get("deterministic"))
     return ReportStats(
-        transcripts=len(statements),
+        transcripts=len(statements) if transcripts is None else transcripts,
         deterministic=deterministic,
         prompt_tokens=sum(_int(_pred(st, "tokens").get("prompt_count")) for st in statements),
         completion_tokens=sum(_int(_pred(st, "tokens").get("output_count")) for st in statements),

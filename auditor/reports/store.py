@@ -18,6 +18,20 @@ async def transcripts(session: AsyncSession, where: TranscriptFilter) -> list[Tr
     return list((await session.scalars(query)).all())
 
 
+async def chain_span(session: AsyncSession, tenant: str, first: int, last: int) -> list[Transcript]:
+    """The tenant's transcripts with ``first <= sequence <= last``, in sequence order."""
+    query = (select(Transcript).where(Transcript.tenant == tenant, Transcript.sequence >= first,
+                                      Transcript.sequence <= last).order_by(Transcript.sequence))
+    return list((await session.scalars(query)).all())
+
+
+async def transcripts_by_id(session: AsyncSession, tenant: str, ids: Sequence[str]) -> list[Transcript]:
+    if not ids:
+        return []
+    query = select(Transcript).where(Transcript.tenant == tenant, Transcript.id.in_(list(ids)))
+    return list((await session.scalars(query)).all())
+
+
 async def contents(session: AsyncSession, transcript_ids: Sequence[str]) -> dict[str, TranscriptContent]:
     if not transcript_ids:
         return {}
@@ -31,6 +45,17 @@ async def replay_jobs(session: AsyncSession, tenant: str, transcript_ids: Sequen
     query = (select(ReplayJob).where(ReplayJob.tenant == tenant, ReplayJob.transcript_id.in_(transcript_ids))
              .order_by(ReplayJob.created_at, ReplayJob.id))
     return list((await session.scalars(query)).all())
+
+
+async def replays_finished(session: AsyncSession, tenant: str, since: dt.datetime | None,
+                           until: dt.datetime | None) -> list[ReplayJob]:
+    """The tenant's replay jobs with an attestation that finished in ``[since, until)`` (either end open)."""
+    query = select(ReplayJob).where(ReplayJob.tenant == tenant, ReplayJob.attestation.is_not(None))
+    if since is not None:
+        query = query.where(ReplayJob.finished_at >= since)
+    if until is not None:
+        query = query.where(ReplayJob.finished_at < until)
+    return list((await session.scalars(query.order_by(ReplayJob.created_at, ReplayJob.id))).all())
 
 
 async def access_rows(session: AsyncSession, tenant: str, since: dt.datetime | None,

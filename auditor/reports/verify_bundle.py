@@ -9,10 +9,17 @@ Checks, each reported as a ``Finding`` that names the file, line and transcript 
 * ``cosignatures``  with witness keys given: the end checkpoint carries valid cosignatures from the
                     quorum of them (C2SP tlog-cosignature)
 * per transcripts.jsonl line: ``signature`` (and hash-chain fields), ``envelope_digest``,
-  ``inclusion`` (against the end checkpoint), ``scope`` (tenant and filters), ``content`` (absent
-  unless requested; when present, commitments / window chain / logprob digest), ``manifest_index``
-* per replays.jsonl line: ``replay`` (attestation signature, subject, verdict, inclusion)
-* per summary.csv row: ``summary`` (equals the row recomputed from the signed payloads)
+  ``inclusion`` (against the end checkpoint), ``scope`` (the line's scope holds: a ``report`` line
+  is within the tenant and filters, a ``chain`` / ``replayed`` line is the tenant's and outside
+  them; content only on ``report`` lines of a report that asked for it), ``content`` (when present:
+  commitments / window chain / logprob digest), ``manifest_index``
+* ``hash_chain``: the per-tenant chain over the report's span has no gap: every line's predecessor
+  that the span needs is in the bundle and its payload digest is the line's ``previous_digest``
+  (``auditor.reports.scope.chain_findings``)
+* per replays.jsonl line: ``replay`` (attestation signature, subject, verdict, inclusion; a replay
+  of a ``chain`` / ``replayed`` line must be attested in the period), and every ``replayed`` line is
+  named by such a replay
+* per summary.csv row: ``summary`` (equals the row recomputed from the bundle)
 * per access_log.csv row: ``access_log`` (tenant)
 
 ``jwks.json`` inside the bundle is the trust anchor unless another JWKS is passed: a bundle whose
@@ -21,10 +28,10 @@ keys were all replaced is self-consistent, so compare the report key id with the
 
 from __future__ import annotations
 
-import datetime as dt
 import io
 import json
 import zipfile
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +45,19 @@ from auditor.crypto import VerifierKey, as_verifier_keys
 from auditor.merkle import ConsistencyProof, InclusionProof, leaf_hash, verify_consistency, verify_inclusion
 from auditor.reports import bundle as b
 from auditor.reports.manifest import MANIFEST_ENVELOPE_PATH, MANIFEST_PATH, checkpoint_json, open_manifest
-from auditor.reports.summary import SUMMARY_COLUMNS, read_csv, replay_status, summary_row
+from auditor.reports.bundle import envelope_digest_or_empty
+from auditor.reports.scope import (
+    ChainLink,
+    ChainStatus,
+    Scope,
+    attested_at,
+    chain_findings,
+    in_period,
+    instant,
+    outside_filters,
+    tenant_problem,
+)
+from auditor.reports.summary import SUMMARY_COLUMNS, read_csv, readable_statement, replay_status, summary_row
 from auditor.transcript import verify_transcript
 from auditor.verify import cosignature_check
 
@@ -99,6 +118,19 @@ class BundleVerification:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class _Line:
+    """One transcripts.jsonl line as the later checks need it."""
+
+    scope: str
+    shown: dict[str, Any] | None
+    """The payload read without the signature check (the summary's cells); None if unreadable."""
+    envelope_digest: str
+    log_index: Any
+    ok: bool
+    link: ChainLink
+
+
 @dataclass
 class _Ctx:
     """What earlier checks learned, for later ones."""
@@ -107,9 +139,9 @@ class _Ctx:
     keys: dict[str, VerifierKey]
     manifest: dict[str, Any]
     end: Checkpoint | None = None
-    statements: dict[str, tuple[dict[str, Any], str, int, bool]] = field(default_factory=dict)
-    """transcript id → (statement, envelope digest, log index, signature ok)."""
+    lines: dict[str, _Line] = field(default_factory=dict)
     payload_digests: dict[str, str] = field(default_factory=dict)
+    """transcript id → payload digest, for lines whose signature verifies."""
     replays: list[dict[str, Any]] = field(default_factory=list)
     witnesses: Sequence[CosignerKey] = ()
     quorum: int = 0
@@ -247,13 +279,13 @@ def _jsonl(data: bytes | None) -> list[tuple[int, Any]]:
 
 
 def _transcripts(ctx: _Ctx, result: BundleVerification) -> None:
-    seen: list[str] = []
+    seen: list[tuple[str, str]] = []
     for n, obj in _jsonl(ctx.files.get(b.TRANSCRIPTS_PATH)):
         if not isinstance(obj, dict) or not isinstance(obj.get("envelope"), dict):
             result.fail("transcript", f"not a transcript object: {str(obj)[:200]}", b.TRANSCRIPTS_PATH, n)
             continue
         tid = str(obj.get("transcript_id"))
-        seen.append(tid)
+        seen.append((tid, str(obj.get("scope", Scope.REPORT))))
         try:
             _one_transcript(ctx, obj, n, tid, result)
         except Exception as exc:  # noqa: BLE001 - one bad line must not hide the others
@@ -263,42 +295,42 @@ def _transcripts(ctx: _Ctx, result: BundleVerification) -> None:
 
 
 def _hash_chain(ctx: _Ctx, result: BundleVerification) -> None:
-    """Where a transcript and its tenant predecessor are both in the bundle, the link must hold."""
-    by_seq = {st["predicate"]["transcript"].get("sequence"): (tid, st) for tid, (st, _, _, _) in ctx.statements.items()}
-    links, broken = 0, 0
-    for seq, (tid, st) in sorted(by_seq.items(), key=lambda kv: str(kv[0])):
-        prev = by_seq.get(seq - 1) if isinstance(seq, int) else None
-        if prev is None:
-            continue
-        links += 1
-        want, got = ctx.payload_digests[prev[0]], st["predicate"]["transcript"].get("previous_digest")
-        if got != want:
-            broken += 1
-            result.fail("hash_chain", f"previous_digest {got} is not the payload digest {want} of sequence "
-                        f"{seq - 1} (transcript {prev[0]})", b.TRANSCRIPTS_PATH, transcript_id=tid)
-    if not broken:
-        result.add("hash_chain", True, f"{links} consecutive links checked", b.TRANSCRIPTS_PATH)
+    """The chain over the report's span has no gap and every needed link holds."""
+    findings = chain_findings([line.link for line in ctx.lines.values()])
+    counted = Counter(status for status, _ in findings.values())
+    for tid, (status, detail) in findings.items():
+        if status is ChainStatus.BROKEN:
+            result.fail("hash_chain", detail, b.TRANSCRIPTS_PATH, transcript_id=tid)
+    if not counted[ChainStatus.BROKEN]:
+        result.add("hash_chain", True, f"{counted[ChainStatus.LINKED]} links checked, "
+                   f"{counted[ChainStatus.FIRST]} chain start, {counted[ChainStatus.UNCHECKED]} outside the span",
+                   b.TRANSCRIPTS_PATH)
 
 
 def _one_transcript(ctx: _Ctx, obj: dict[str, Any], n: int, tid: str, result: BundleVerification) -> None:
     where = {"file": b.TRANSCRIPTS_PATH, "line": n, "transcript_id": tid}
+    scope = obj.get("scope", Scope.REPORT)
     content = obj.get("content")
     kwargs = _content_kwargs(content) if isinstance(content, dict) else {}
     v = verify_transcript(obj["envelope"], ctx.keys, **kwargs)
     for c in v.checks:
         result.add(c.name, c.ok, c.detail, **where)
-    digest = cn.envelope_digest(obj["envelope"])
+    digest = envelope_digest_or_empty(obj["envelope"])
     if digest != obj.get("envelope_digest"):
-        result.fail("envelope_digest", f"envelope hashes to {digest}, line says {obj.get('envelope_digest')}", **where)
+        result.fail("envelope_digest", f"envelope hashes to {digest or 'nothing'}, line says {obj.get('envelope_digest')}",
+                    **where)
     _inclusion(ctx, "inclusion", digest, obj.get("log_index"), obj.get("inclusion_proof"), where, result)
-    if v.statement is None:
-        return
-    if v.statement["predicate"]["transcript"].get("id") != tid:
-        result.fail("transcript", f"line says {tid} but the signed payload is transcript "
-                    f"{v.statement['predicate']['transcript'].get('id')}", **where)
-    _scope(ctx, v.statement, content, where, result)
-    ctx.statements[tid] = (v.statement, digest, obj.get("log_index"), v.ok)
-    ctx.payload_digests[tid] = v.payload_digest or ""
+    signed = v.statement["predicate"]["transcript"] if v.statement is not None else {}
+    if v.statement is not None and signed.get("id") != tid:
+        result.fail("transcript", f"line says {tid} but the signed payload is transcript {signed.get('id')}", **where)
+    if scope not in tuple(Scope):
+        result.fail("scope", f"scope {scope!r} is not one of {[s.value for s in Scope]}", **where)
+    elif v.statement is not None:
+        _scope(ctx, v.statement, Scope(scope), content, where, result)
+    link = ChainLink(tid, str(scope), signed.get("sequence"), signed.get("previous_digest"), v.payload_digest)
+    ctx.lines[tid] = _Line(str(scope), readable_statement(obj["envelope"]), digest, obj.get("log_index"), v.ok, link)
+    if v.statement is not None and v.payload_digest:
+        ctx.payload_digests[tid] = v.payload_digest
 
 
 def _content_kwargs(content: Mapping[str, Any]) -> dict[str, Any]:
@@ -328,56 +360,59 @@ def _inclusion(ctx: _Ctx, check: str, digest: str, log_index: Any, proof_json: A
     result.add(check, True, f"log index {log_index} under the end checkpoint's root", **where)
 
 
-def _scope(ctx: _Ctx, statement: Mapping[str, Any], content: Any, where: Mapping[str, Any],
+def _scope(ctx: _Ctx, statement: Mapping[str, Any], scope: Scope, content: Any, where: Mapping[str, Any],
            result: BundleVerification) -> None:
-    f, p = ctx.manifest["filters"], statement["predicate"]
-    problems = []
-    if p["transcript"].get("tenant") != ctx.manifest["tenant"]:
-        problems.append(f"tenant {p['transcript'].get('tenant')!r} is not the report's {ctx.manifest['tenant']!r}")
-    received = _instant(p.get("request", {}).get("received_at"))
-    if received is None:
-        problems.append(f"received_at {p.get('request', {}).get('received_at')!r} is not an RFC 3339 time")
-    elif f.get("since") and received < _instant(f["since"]):
-        problems.append(f"received {received.isoformat()} before the period start {f['since']}")
-    elif f.get("until") and received >= _instant(f["until"]):
-        problems.append(f"received {received.isoformat()} at or after the period end {f['until']}")
-    if f.get("model") and p.get("model", {}).get("name") != f["model"]:
-        problems.append(f"model {p.get('model', {}).get('name')!r} is not the filter's {f['model']!r}")
-    if f.get("deterministic_only") and not p.get("sampling", {}).get("deterministic"):
-        problems.append("non-deterministic transcript in a deterministic-only report")
-    if content is not None and not f.get("include_content"):
-        problems.append("content present although the report excludes content")
-    result.add("scope", not problems, "; ".join(problems) or "within the report's tenant and filters", **where)
+    """A ``report`` line is selected by the filters; a ``chain`` line is not; a ``replayed`` line is
+    selected but for the period (it was received before it). All are the tenant's."""
+    f = ctx.manifest["filters"]
+    problems = [p for p in [tenant_problem(statement, ctx.manifest["tenant"])] if p]
+    outside = outside_filters(statement, f)
+    if scope is Scope.REPORT:
+        problems += outside
+    elif scope is Scope.CHAIN and not outside:
+        problems.append("a chain line that the filters select: it belongs to the report")
+    elif scope is Scope.REPLAYED:
+        problems += outside_filters(statement, f, period=False)
+        received = instant(statement["predicate"].get("request", {}).get("received_at"))
+        if received is not None and not (f.get("since") and received < instant(f["since"])):
+            problems.append(f"a replayed line received {received.isoformat()}, not before the period")
+    if content is not None and (scope is not Scope.REPORT or not f.get("include_content")):
+        problems.append("content present although the report excludes content" if scope is Scope.REPORT
+                        else f"content present on a {scope.value} line")
+    detail = {Scope.REPORT: "within the report's tenant and filters",
+              Scope.CHAIN: "the tenant's, outside the filters: carried for the chain",
+              Scope.REPLAYED: "the tenant's, before the period: carried for a replay in the period"}[scope]
+    result.add("scope", not problems, "; ".join(problems) or detail, **where)
 
 
-def _instant(text: Any) -> dt.datetime | None:
-    try:
-        return dt.datetime.fromisoformat(str(text).replace("Z", "+00:00"))
-    except ValueError:
-        return None
-
-
-def _manifest_index(ctx: _Ctx, seen: Sequence[str], result: BundleVerification) -> None:
+def _manifest_index(ctx: _Ctx, seen: Sequence[tuple[str, str]], result: BundleVerification) -> None:
     listed = ctx.manifest.get("transcripts", [])
     listed_ids = [t["id"] for t in listed]
+    seen_ids = [tid for tid, _ in seen]
+    scopes = dict(seen)
     for t in listed:
-        got = ctx.statements.get(t["id"])
-        if t["id"] not in seen:
+        got = ctx.lines.get(t["id"])
+        if t["id"] not in scopes:
             result.fail("manifest_index", f"listed in the manifest (log index {t['log_index']}) but missing from "
                         f"{b.TRANSCRIPTS_PATH}", b.TRANSCRIPTS_PATH, transcript_id=t["id"])
-        elif got is not None and (got[1], got[2]) != (t["envelope_digest"], t["log_index"]):
-            result.fail("manifest_index", f"envelope digest {got[1]} / log index {got[2]} differ from the manifest's "
-                        f"{t['envelope_digest']} / {t['log_index']}", b.TRANSCRIPTS_PATH, transcript_id=t["id"])
-    for tid in sorted(set(seen) - set(listed_ids)):
+        elif scopes[t["id"]] != t.get("scope", Scope.REPORT):
+            result.fail("manifest_index", f"line scope {scopes[t['id']]!r} differs from the manifest's "
+                        f"{t.get('scope', Scope.REPORT)!r}", b.TRANSCRIPTS_PATH, transcript_id=t["id"])
+        elif got is not None and (got.envelope_digest, got.log_index) != (t["envelope_digest"], t["log_index"]):
+            result.fail("manifest_index", f"envelope digest {got.envelope_digest} / log index {got.log_index} differ "
+                        f"from the manifest's {t['envelope_digest']} / {t['log_index']}", b.TRANSCRIPTS_PATH,
+                        transcript_id=t["id"])
+    for tid in sorted(set(seen_ids) - set(listed_ids)):
         result.fail("manifest_index", "not listed in the signed manifest", b.TRANSCRIPTS_PATH, transcript_id=tid)
-    dupes = sorted({t for t in seen if seen.count(t) > 1})
+    dupes = sorted({t for t in seen_ids if seen_ids.count(t) > 1})
     if dupes:
         result.fail("manifest_index", f"duplicate transcript lines {dupes}", b.TRANSCRIPTS_PATH)
-    if list(seen) == listed_ids:
-        result.add("manifest_index", True, f"{len(seen)} transcripts, as listed in the manifest", b.TRANSCRIPTS_PATH)
+    if seen_ids == listed_ids:
+        result.add("manifest_index", True, f"{len(seen_ids)} transcripts, as listed in the manifest", b.TRANSCRIPTS_PATH)
 
 
 def _replays(ctx: _Ctx, result: BundleVerification) -> None:
+    named: set[str] = set()
     for n, obj in _jsonl(ctx.files.get(b.REPLAYS_PATH)):
         if not isinstance(obj, dict) or "transcript_id" not in obj or "replay_id" not in obj:
             result.fail("replay", f"not a replay object: {str(obj)[:200]}", b.REPLAYS_PATH, n)
@@ -386,17 +421,28 @@ def _replays(ctx: _Ctx, result: BundleVerification) -> None:
         tid = str(obj["transcript_id"])
         where = {"file": b.REPLAYS_PATH, "line": n, "transcript_id": tid}
         if tid not in ctx.payload_digests:
-            result.fail("replay", f"replay {obj['replay_id']} is of a transcript not in the bundle", **where)
+            result.fail("replay", f"replay {obj['replay_id']} is of a transcript that is not (validly) in the bundle",
+                        **where)
             continue
         if not isinstance(obj.get("attestation"), (dict, type(None))):
             result.fail("replay", f"replay {obj['replay_id']}: attestation is not an object", **where)
             continue
+        if ctx.lines[tid].scope != Scope.REPORT:
+            if not in_period(attested_at(obj.get("attestation")), ctx.manifest["filters"]):
+                result.fail("replay", f"replay {obj['replay_id']} of a {ctx.lines[tid].scope} transcript is not "
+                            "attested in the period", **where)
+                continue
+            named.add(tid)
         if obj.get("attestation") is None:
             ok = obj.get("verdict") is None
             result.add("replay", ok, f"replay {obj['replay_id']} {obj.get('status')}, no attestation"
                        + ("" if ok else f" although it claims verdict {obj.get('verdict')!r}"), **where)
             continue
         _attestation(ctx, obj, where, result)
+    for tid, line in ctx.lines.items():
+        if line.scope == Scope.REPLAYED and tid not in named:
+            result.fail("replay", "a replayed line that no replay attested in the period names",
+                        b.TRANSCRIPTS_PATH, transcript_id=tid)
 
 
 def _attestation(ctx: _Ctx, obj: dict[str, Any], where: Mapping[str, Any], result: BundleVerification) -> None:
@@ -425,21 +471,22 @@ def _summary(ctx: _Ctx, result: BundleVerification) -> None:
     by_tid: dict[str, list[dict[str, Any]]] = {}
     for r in ctx.replays:
         by_tid.setdefault(str(r["transcript_id"]), []).append(r)
+    chain = chain_findings([line.link for line in ctx.lines.values()])
     seen: set[str] = set()
     for n, row in rows:
         tid = row.get("transcript_id", "")
-        known = ctx.statements.get(tid)
-        if known is None:
-            result.fail("summary", "row for a transcript that is not (validly) in transcripts.jsonl", b.SUMMARY_PATH, n, tid)
+        line = ctx.lines.get(tid)
+        if line is None:
+            result.fail("summary", "row for a transcript that is not in transcripts.jsonl", b.SUMMARY_PATH, n, tid)
             continue
         seen.add(tid)
-        statement, digest, log_index, sig_ok = known
-        det = bool(statement["predicate"].get("sampling", {}).get("deterministic"))
-        want = summary_row(statement, log_index, sig_ok, replay_status(det, by_tid.get(tid, [])), digest)
+        det = bool(line.shown and line.shown["predicate"].get("sampling", {}).get("deterministic"))
+        want = summary_row(line.shown, line.log_index, line.ok, replay_status(det, by_tid.get(tid, [])),
+                           line.envelope_digest, transcript_id=tid, scope=line.scope, chain_status=chain[tid][0])
         diff = [f"{k}={row.get(k)!r} (recomputed from the transcript: {want[k]!r})"
                 for k in SUMMARY_COLUMNS if row.get(k) != want[k]]
         result.add("summary", not diff, "; ".join(diff) or "row matches the signed transcript", b.SUMMARY_PATH, n, tid)
-    for tid in sorted(set(ctx.statements) - seen):
+    for tid in sorted(set(ctx.lines) - seen):
         result.fail("summary", "transcript has no row in summary.csv", b.SUMMARY_PATH, transcript_id=tid)
 
 

@@ -100,25 +100,27 @@ class SampleLog:
         return size
 
     def inputs(self, filters: ReportFilters, start_size: int, *, access: list[AccessEntry] | None = None) -> BundleInputs:
+        """The bundle inputs the exporter gathers: the selected transcripts (scope ``report``), the
+        tenant's others in their sequence span and the one before (``chain``), the replays of the
+        selected ones and those attested in the period (with their transcripts, ``replayed``)."""
         end_size = self.checkpoint()
-        entries = []
-        for made in self.transcripts.get(filters.tenant, []):
-            st = made.signed.statement["predicate"]
-            received = st["request"]["received_at"]
-            if filters.since and received < _iso(filters.since):
-                continue
-            if filters.until and received >= _iso(filters.until):
-                continue
-            if filters.deterministic_only and not st["sampling"]["deterministic"]:
-                continue
-            proof = InclusionProof(made.log_index, end_size, tuple(self.tree.inclusion_proof(made.log_index, end_size)))
-            entries.append(TranscriptEntry(made.signed.envelope, made.log_index, proof, made.content))
-        ids = {e.inclusion_proof.log_index for e in entries}
-        tids = {m.signed.transcript_id for m in self.transcripts.get(filters.tenant, []) if m.log_index in ids}
-        replays = [
-            ReplayEntry(**{**r.__dict__, "inclusion_proof": InclusionProof(
-                r.log_index, end_size, tuple(self.tree.inclusion_proof(r.log_index, end_size)))})
-            for r in self.replays if r.transcript_id in tids]
+        chain = self.transcripts.get(filters.tenant, [])
+        selected = [m for m in chain if self._selected(m, filters)]
+        sequences = [chain.index(m) + 1 for m in selected]
+        span = range(min(sequences) - 1, max(sequences) + 1) if sequences else range(0)
+        scopes = {m.signed.transcript_id: "report" for m in selected}
+        for k, m in enumerate(chain, start=1):
+            if k in span and m.signed.transcript_id not in scopes:
+                scopes[m.signed.transcript_id] = "chain"
+        replays = [r for r in self.replays if r.transcript_id in scopes and scopes[r.transcript_id] == "report"
+                   or self._attested_in(r, filters) and r.transcript_id in {m.signed.transcript_id for m in chain}]
+        for r in replays:
+            scopes.setdefault(r.transcript_id, "replayed")
+        entries = [TranscriptEntry(m.signed.envelope, m.log_index, self._proof(m.log_index, end_size),
+                                   m.content if scopes[m.signed.transcript_id] == "report" else None,
+                                   scopes[m.signed.transcript_id], m.signed.transcript_id)
+                   for m in chain if m.signed.transcript_id in scopes]
+        replays = [ReplayEntry(**{**r.__dict__, "inclusion_proof": self._proof(r.log_index, end_size)}) for r in replays]
         consistency = ConsistencyProof(start_size, end_size, tuple(self.tree.consistency_proof(start_size, end_size)))
         return BundleInputs(
             report_id=str(uuid.uuid4()), filters=filters, transcripts=entries, replays=replays,
@@ -126,6 +128,23 @@ class SampleLog:
                 AccessEntry(T0 + dt.timedelta(days=4), "key_auditor", filters.tenant, "export", "report")],
             log=LogEvidence(self.checkpoints[start_size], self.checkpoints[end_size], consistency),
             jwks=self.keyring.jwks(), generator_version="0.1.0-test", created_at=T0 + dt.timedelta(days=5))
+
+    def _proof(self, index: int, size: int) -> InclusionProof:
+        return InclusionProof(index, size, tuple(self.tree.inclusion_proof(index, size)))
+
+    @staticmethod
+    def _selected(made: Made, filters: ReportFilters) -> bool:
+        st = made.signed.statement["predicate"]
+        received = st["request"]["received_at"]
+        return not (filters.since and received < _iso(filters.since) or filters.until and received >= _iso(filters.until)
+                    or filters.deterministic_only and not st["sampling"]["deterministic"])
+
+    @staticmethod
+    def _attested_in(replay: ReplayEntry, filters: ReportFilters) -> bool:
+        if not (filters.since or filters.until) or replay.finished_at is None:
+            return False
+        return not (filters.since and replay.finished_at < filters.since or
+                    filters.until and replay.finished_at >= filters.until)
 
 
 def sample_log(key_dir: str, per_tenant: int = 5) -> tuple[SampleLog, int]:

@@ -262,7 +262,12 @@ def test_filters_period_and_deterministic_only(log_and_start: tuple[SampleLog, i
     result = verify_bundle(data)
     assert result.ok, result.render()
     rows = _csv_rows(unzip(data)["summary.csv"])
-    assert len(rows) == 3 and all(r["deterministic"] == "true" and r["received_at"] >= "2026-11-20T13" for r in rows)
+    report = [r for r in rows if r["scope"] == "report"]
+    assert len(report) == 3 and all(r["deterministic"] == "true" and r["received_at"] >= "2026-11-20T13" for r in report)
+    # The chain span carries, without content: sequence 1 (before the period) and 4 (not deterministic).
+    assert sorted((r["sequence"], r["scope"]) for r in rows if r["scope"] != "report") == [("1", "chain"), ("4", "chain")]
+    assert {r["sequence"]: r["chain_status"] for r in rows} == {"1": "first", "2": "linked", "3": "linked",
+                                                                 "4": "linked", "5": "linked"}
 
 
 def test_report_html_and_pdf_have_the_narrative(log_and_start: tuple[SampleLog, int]) -> None:
