@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import datetime as dt
 import io
 import json
@@ -327,3 +328,35 @@ def test_malformed_bundles_are_findings_never_crashes(log_and_start: tuple[Sampl
         assert not result.ok and result.failures()
     assert not verify_bundle(b"not a zip").ok
     assert verify_bundle(rezip({k: v for k, v in good.items() if k != "jwks.json"})).failures()[0].check == "jwks"
+
+
+def _signed(log_and_start: tuple[SampleLog, int], change: Callable[[list], list], **filters: object) -> bytes:
+    """A bundle built (and signed with the report key) from inputs that ``change`` altered."""
+    log, start = log_and_start
+    inputs = log.inputs(ReportFilters(**{"tenant": "acme", **filters}), start)  # type: ignore[arg-type]
+    inputs = type(inputs)(**{**inputs.__dict__, "transcripts": change(list(inputs.transcripts))})
+    return build_bundle(inputs, log.keyring.signer(KeyRole.REPORT))
+
+
+def test_a_transcript_left_out_of_the_chain_span_fails_the_bundle(log_and_start: tuple[SampleLog, int]) -> None:
+    """An exporter (with the report key) that drops a transcript, or a row deleted from the database:
+    the successor's previous_digest names a transcript the bundle lacks."""
+    data = _signed(log_and_start, lambda entries: entries[:3] + entries[4:])
+    rows = _csv_rows(unzip(data)["summary.csv"])
+    assert [r["chain_status"] for r in rows] == ["first", "linked", "linked", "broken"]
+    bad = failures(data)
+    assert [(f.check, f.transcript_id) for f in bad] == [("hash_chain", rows[3]["transcript_id"])]
+    assert "sequence 4" in bad[0].detail and "missing" in bad[0].detail
+
+
+def test_the_period_explains_only_the_first_predecessor(log_and_start: tuple[SampleLog, int]) -> None:
+    since = {"since": T0 + dt.timedelta(hours=4)}
+    without_head = _signed(log_and_start, lambda entries: [e for e in entries if e.scope == "report"], **since)
+    bad = failures(without_head)
+    assert {f.check for f in bad} == {"hash_chain"}  # the chain line before the period is needed
+
+    def mislabel(entries: list) -> list:
+        return [dataclasses.replace(e, scope="chain") if i == 2 else e for i, e in enumerate(entries)]
+
+    bad = failures(_signed(log_and_start, mislabel, **since))
+    assert any(f.check == "scope" and "belongs to the report" in f.detail for f in bad)
