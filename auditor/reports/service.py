@@ -26,6 +26,7 @@ from auditor.queries import record_access
 from auditor.reports.bundle import build_bundle
 from auditor.reports.collect import Progress, collect
 from auditor.reports.inputs import ReportFilters
+from auditor.reports.scope import Scope
 from auditor.reports.jobs import JobStatus, JobStore, ReportJob
 from auditor.witnessing import WitnessingError, WitnessPool
 
@@ -122,7 +123,8 @@ class ReportService:
             log_failure(log, "report job failed", exc, event="report_failed", report_id=job.id)
             return self.jobs.save(replace(job, status=JobStatus.FAILED, finished_at=_now(),
                                           error=f"{type(exc).__name__}: {exc}"))
-        return self.jobs.write_bundle(job, data, len(inputs.transcripts), cn.sha256_hex(data), _now())
+        reported = sum(entry.scope == Scope.REPORT for entry in inputs.transcripts)
+        return self.jobs.write_bundle(job, data, reported, cn.sha256_hex(data), _now())
 
     async def _witnessed_end(self) -> int | None:
         """The witnessed checkpoint a bundle ends at; without one in time, the latest (and a warning:
