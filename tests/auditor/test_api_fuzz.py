@@ -10,6 +10,7 @@ whole run stays within about a minute on two CPU cores; ``derandomize`` makes it
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,6 +141,8 @@ def _text_round_trips(base_url: str, api_key: str) -> list[tuple[str, int, str |
     return wrong
 
 
-async def test_any_text_is_stored_exactly_or_refused_before_generation(fake_any_server: Any) -> None:
-    wrong = await asyncio.to_thread(_text_round_trips, fake_any_server.url, fake_any_server.keys["client"])
+async def test_any_text_is_stored_exactly_or_refused_before_generation(any_database: Any) -> None:
+    unlimited = dataclasses.replace(any_database, rate_limit_per_second=10_000.0, rate_limit_burst=10_000)
+    async with serving(unlimited, FakeAsyncEngine(), {"client": "acme:client"}) as server:
+        wrong = await asyncio.to_thread(_text_round_trips, server.url, server.keys["client"])
     assert wrong == []
