@@ -89,8 +89,8 @@ async def _reload_keys(services: Services) -> None:
         try:
             if await asyncio.to_thread(services.keyring.reload_if_changed):
                 log.info("signing keys reloaded", extra={"event": "keys_reloaded"})
-        except Exception:  # noqa: BLE001 - keep serving with the keys held; retried next interval
-            log.exception("reloading the signing keys failed")
+        except Exception as exc:  # noqa: BLE001 - keep serving with the keys held; retried next interval
+            log_failure(log, "reloading the signing keys failed", exc)
 
 
 def attach_engine(services: Services, engine: Any) -> None:

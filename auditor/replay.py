@@ -398,8 +398,8 @@ class ReplayService:
                 await session.execute(update(ReplayJob).where(
                     ReplayJob.claimed_by == self.worker_id, ReplayJob.status == ReplayStatus.RUNNING.value)
                     .values(status=ReplayStatus.QUEUED.value, claimed_by=None, lease_expires_at=None))
-        except Exception:  # noqa: BLE001 - the lease expires on its own
-            log.exception("releasing replay jobs failed")
+        except Exception as exc:  # noqa: BLE001 - the lease expires on its own
+            log_failure(log, "releasing replay jobs failed", exc)
 
     async def _work(self) -> None:
         await self.requeue()

@@ -27,6 +27,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from auditor import repository
 from auditor.cosignature import CosignatureError, CosignerKey, signature_lines, verify_cosignatures, with_signature_lines
 from auditor.db.models import CheckpointCosignature, LogCheckpoint
+from auditor.logs import log_failure
 from auditor.witness.client import Answer, add_checkpoint
 
 if TYPE_CHECKING:
@@ -134,8 +135,8 @@ class WitnessPool:
         except (httpx.HTTPError, OSError) as exc:
             self._report(endpoint, "unreachable", f"witness {endpoint.key.name} at {endpoint.url} unreachable: "
                          f"{type(exc).__name__}: {exc}", logging.WARNING)
-        except Exception:  # noqa: BLE001 - the loop must survive; the next round retries
-            log.exception("witnessing %s failed", endpoint.key.name)
+        except Exception as exc:  # noqa: BLE001 - the loop must survive; the next round retries
+            log_failure(log, f"witnessing {endpoint.key.name} failed", exc)
             self._on_result(endpoint.key.name, "error")
 
     async def _cosign_latest(self, endpoint: WitnessEndpoint) -> None:

@@ -189,7 +189,7 @@ async def test_prompt_given_as_token_ids_is_stored_with_its_decoded_text(fake_an
 
 @pytest.mark.parametrize("kind", ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def test_migration_keeps_stored_text_and_refuses_to_drop_nul(kind: str, tmp_path: Any) -> None:
-    """0001 -> head turns stored text into its UTF-8 bytes unchanged; a downgrade refuses while a
+    """0002 -> head (0003) turns stored text into its UTF-8 bytes unchanged; a downgrade refuses while a
     stored text holds NUL (a text column cannot hold it) and converts back once none does."""
     if kind == "sqlite":
         _migration_round_trip(Settings(data_dir=tmp_path, port=free_port()))
@@ -200,16 +200,16 @@ def test_migration_keeps_stored_text_and_refuses_to_drop_nul(kind: str, tmp_path
 
 def _migration_round_trip(settings: Settings) -> None:
     url, schema = settings.resolved_database_url, settings.database_schema
-    migrate.upgrade(url, "0001", schema=schema)
+    migrate.upgrade(url, "0002", schema=schema)
     asyncio.run(_sql(settings, _INSERT_TRANSCRIPT, "INSERT INTO transcript_contents VALUES ('t1', :salt, '[1]', '[2]', "
                                                    "'[-0.5]', '{}', 'prompt \u00e9\U0001F600', 'output')"))
     migrate.upgrade(url, schema=schema)
     assert asyncio.run(_texts(settings)) == ("prompt \u00e9\U0001F600", "output")
     asyncio.run(_sql(settings, "UPDATE transcript_contents SET output_text = :nul", nul="a\x00b".encode()))
     with pytest.raises(RuntimeError, match="1 rows of transcript_contents hold NUL"):
-        migrate.downgrade(url, "0001", schema=schema)
+        migrate.downgrade(url, "0002", schema=schema)
     asyncio.run(_sql(settings, "UPDATE transcript_contents SET output_text = :ok", ok=b"fine"))
-    migrate.downgrade(url, "0001", schema=schema)
+    migrate.downgrade(url, "0002", schema=schema)
     assert asyncio.run(_texts(settings)) == ("prompt \u00e9\U0001F600", "fine")
 
 

@@ -4,8 +4,8 @@ PostgreSQL ``text`` cannot store, is kept exactly (``auditor.db.models.Utf8Text`
 
 Downgrade converts back to text and refuses (naming how many rows) when a stored text holds NUL.
 
-Revision ID: 0002_content_bytes
-Revises: 0001
+Revision ID: 0003
+Revises: 0002
 Create Date: 2026-12-04 17:14:00
 """
 
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0002_content_bytes"
-down_revision: str | None = "0001"
+revision: str = "0003"
+down_revision: str | None = "0002"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
