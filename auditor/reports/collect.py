@@ -10,7 +10,7 @@ from typing import Any
 
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from auditor import merkle, repository
+from auditor import merkle
 from auditor.checkpoint import Checkpoint, sign_checkpoint
 from auditor.crypto import KeyRing, KeyRole
 from auditor.db.models import ReplayJob, Transcript, TranscriptContent
