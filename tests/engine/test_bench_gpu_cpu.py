@@ -88,7 +88,7 @@ def test_parse_args_defaults() -> None:
 
 
 def _ctx(tmp_path: Path, left_s: float = 600.0, modes: list[str] | None = None) -> bg.Ctx:
-    args = argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"], modes=modes or [])
+    args = argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"], modes=modes or [], sampling="greedy")
     ctx = bg.Ctx(args=args, device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
     ctx.deadline = time.perf_counter() + left_s
     return ctx
@@ -268,3 +268,13 @@ def test_set_specs_and_the_sharegpt_matched_mix() -> None:
     assert 3.3 < (613123 / 3000) / (sum(short) / 96) < 3.5
     # the distribution's mean, which the draws follow
     assert abs(bg.log_uniform_mean(16, 896) / (sum(prompts) / 96) - 1) < 0.05
+
+
+def test_sampling_presets_set_the_mix_requests_parameters() -> None:
+    from engine.bench_gpu import SAMPLING_PRESETS, mix_params, parse_args
+
+    assert parse_args(["--sampling", "top_p"]).sampling == "top_p"
+    p = mix_params("top_p", 12, True, 3)
+    assert (p.temperature, p.top_p, p.max_tokens, p.deterministic, p.seed, p.ignore_eos) == (0.8, 0.95, 12, True, 3, True)
+    assert mix_params("greedy", 5, False, 1).temperature == 0.0
+    assert set(SAMPLING_PRESETS) == {"greedy", "temperature", "top_p", "top_k", "min_p"}
