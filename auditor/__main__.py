@@ -1,7 +1,7 @@
-"""``python -m auditor …`` (see ``auditor.cli``)."""
+"""``python -m auditor …``: the ``verbatim`` command (see ``auditor.cli``)."""
 
 import sys
 
 from auditor.cli import main
 
-sys.exit(main())
+sys.exit(main(prog="python -m auditor"))

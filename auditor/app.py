@@ -2,7 +2,9 @@
 ledger, metrics, auth, engine). Nothing here reads the environment or a global.
 
 The engine is either handed in (tests share one across apps; the caller owns its lifecycle) or
-loaded by the app in the background at startup (``/readyz`` answers 503 until it is up).
+loaded by the app in the background at startup (``/readyz`` answers 503 until it is up). When that
+load fails, ``/readyz`` reports the error and ``on_engine_error`` hears it (``serve`` stops the server
+and exits non-zero, unless told to keep serving).
 """
 
 from __future__ import annotations
@@ -41,17 +43,20 @@ from auditor.witnessing import WitnessPool
 log = logging.getLogger("auditor.http")
 
 EngineLoader = Callable[[Settings], Any]
+EngineErrorHook = Callable[[str], None]
 
 
 def load_engine(settings: Settings) -> Any:
-    """Build the real engine (blocking: loads and dequantizes the model), or the one
+    """Build the real engine (blocking: resolves, loads and fingerprints the model), or the one
     ``settings.engine_factory`` (``module:callable``) builds from the settings."""
     if settings.engine_factory:
         module, _, name = settings.engine_factory.partition(":")
         return getattr(importlib.import_module(module), name)(settings)
-    from engine import AsyncEngine, EngineConfig
+    from engine import AsyncEngine
+    from engine.cli import engine_config
 
-    return AsyncEngine(EngineConfig(model=settings.model, device=settings.device, **dict(settings.engine_options)))
+    options = {**settings.engine_options, "model": settings.model, "device": settings.device}
+    return AsyncEngine(engine_config(options))
 
 
 def build_services(settings: Settings) -> Services:
@@ -94,24 +99,28 @@ async def _reload_keys(services: Services) -> None:
 
 
 def attach_engine(services: Services, engine: Any) -> None:
+    settings = services.settings
     services.engine = engine
-    services.completions = CompletionService(engine, services.ledger, services.metrics,
-                                             max_prompt_tokens=services.settings.max_prompt_tokens,
-                                             max_tokens_limit=services.settings.max_tokens_limit)
+    name = settings.served_model_name or str(engine.model_info.name)
+    services.completions = CompletionService(engine, services.ledger, services.metrics, model_name=name,
+                                             max_prompt_tokens=settings.max_prompt_tokens,
+                                             max_tokens_limit=settings.max_tokens_limit)
     services.engine_loaded.set()
 
 
-async def _load_and_start(services: Services, loader: EngineLoader) -> None:
+async def _load_and_start(services: Services, loader: EngineLoader, on_error: EngineErrorHook | None) -> None:
     try:
         engine = await asyncio.to_thread(loader, services.settings)
         await engine.start()
-    except Exception as exc:  # noqa: BLE001 - reported by /readyz and 503s, and logged
+    except Exception as exc:  # noqa: BLE001 - reported by /readyz and 503s, logged, and handed to on_error
         services.engine_error = f"{type(exc).__name__}: {exc}"
         log_failure(log, "engine failed to load", exc)
         services.engine_loaded.set()
+        if on_error is not None:
+            on_error(services.engine_error)
         return
     attach_engine(services, engine)
-    log.info("engine ready", extra={"event": "engine_ready"})
+    log.info("engine ready, serving model %r", services.completions.model_name, extra={"event": "engine_ready"})
 
 
 def create_app(
@@ -120,9 +129,11 @@ def create_app(
     engine: Any | None = None,
     engine_loader: EngineLoader = load_engine,
     routes: Sequence[Any] = (),
+    on_engine_error: EngineErrorHook | None = None,
 ) -> Litestar:
-    """The app. ``engine``: a started engine owned by the caller; else ``engine_loader`` runs at startup.
-    ``routes``: extra route handlers / controllers / routers mounted beside the defaults."""
+    """The app. ``engine``: a started engine owned by the caller; else ``engine_loader`` runs at startup
+    and ``on_engine_error`` hears the error if it fails. ``routes``: extra route handlers / controllers /
+    routers mounted beside the defaults."""
     services = build_services(settings)
     background: list[asyncio.Task[Any]] = []
 
@@ -130,7 +141,7 @@ def create_app(
         if engine is not None:
             attach_engine(services, engine)
         else:
-            background.append(asyncio.create_task(_load_and_start(services, engine_loader)))
+            background.append(asyncio.create_task(_load_and_start(services, engine_loader, on_engine_error)))
         ReplayService.for_app(app).start()
         background.append(asyncio.create_task(_reload_keys(services)))
         if services.witnesses is not None:

@@ -1,19 +1,22 @@
-"""``python -m auditor serve | keys create|list|revoke | verify FILE | migrate``.
+"""The ``verbatim`` command (also ``python -m auditor``): serve | generate | keys | signing-keys | replay |
+verify | export | verify-bundle | retention | purge | witness | monitor | migrate | bench.
 
-Every subcommand takes ``--data-dir`` and ``--database-url`` (also ``VERBATIM_DATA_DIR`` /
-``VERBATIM_DATABASE_URL``); ``serve`` also ``--host`` / ``--port``. The environment is read once,
-here. Other parts contribute subcommands through ``plugin_commands`` (``replay``, ``export``, …).
+Every setting of ``auditor.settings.Settings`` is a flag (``--model``, ``--device``, ``--served-model-name``,
+``--data-dir``, ...) on the subcommands it concerns, defaulting to its ``VERBATIM_*`` variable, then to the
+field's default; the environment is read once, here. ``generate`` and ``bench`` are the engine's own
+subcommands (``engine.cli``), mounted unchanged. docs/cli.md is the reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import sys
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +24,58 @@ from auditor import auth, repository
 from auditor.db import migrate
 from auditor.db.models import Role
 from auditor.db.session import create_engine, create_sessionmaker
-from auditor.settings import Settings
+from auditor.settings import ENV_PREFIX, Settings, _witness_list
 
 BOOTSTRAP_TENANT = "default"
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
 
 
-def _db_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--data-dir", help="data directory (default ./data; env VERBATIM_DATA_DIR)")
-    parser.add_argument("--database-url", help="SQLAlchemy async URL, e.g. postgresql+asyncpg://… "
-                        "(default: SQLite file in the data directory; env VERBATIM_DATABASE_URL)")
+STORAGE_SETTINGS = ("data_dir", "database_url", "database_schema", "log_origin")
+ENGINE_SETTINGS = ("model", "served_model_name", "device", "engine_options", "engine_factory")
+SERVICE_SETTINGS = ("host", "port", "log_level", "keep_serving_on_load_error", "deterministic_default",
+                    "max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "rate_limit_per_second",
+                    "rate_limit_burst", "replay_max_queued", "bootstrap_admin", "redis_url", "key_reload_interval",
+                    "witnesses", "witness_quorum", "witness_interval", "witness_timeout")
+_DEST = "setting_"
+
+
+def setting_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """``--field-name`` for each named Settings field; left out, the field keeps ``VERBATIM_FIELD_NAME`` or
+    its default (``settings_from``). The dest is ``setting_<name>``, so a subcommand's own flag of the same
+    name (``export --model``, a filter; ``verify --witness-quorum``) stays apart."""
+    from engine.cli import json_object
+
+    fields = {f.name: f for f in dataclasses.fields(Settings)}
+    defaults = Settings()
+    parsers = {"engine_options": json_object, "witnesses": _witnesses_flag}
+    group = parser.add_argument_group("settings (each defaults to its VERBATIM_* variable, then to the default shown)")
+    for name in names:
+        default = getattr(defaults, name)
+        text = f"{fields[name].metadata['help']} (env {ENV_PREFIX}{name.upper()}; default {_shown(default)})"
+        flag, dest, text = "--" + name.replace("_", "-"), _DEST + name, text.replace("%", "%%")
+        if isinstance(default, bool):
+            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
+        else:
+            kind = parsers.get(name) or {int: int, float: float}.get(type(default), str)
+            group.add_argument(flag, dest=dest, type=kind, metavar=name.upper(), help=text)
+
+
+def _shown(default: Any) -> str:
+    if default is None or default == {} or default == ():
+        return "none"
+    return repr(str(default) if isinstance(default, Path) else default)
+
+
+def _witnesses_flag(raw: str) -> tuple[tuple[str, str], ...]:
+    try:
+        return _witness_list(raw)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def storage_flags(parser: argparse.ArgumentParser) -> None:
+    setting_flags(parser, STORAGE_SETTINGS)
 
 
 def _witness_flags(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +102,8 @@ def witness_keys_from(args: argparse.Namespace, settings: Settings) -> tuple[lis
 
 
 def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
-    overrides = {k: getattr(args, k, None) for k in ("host", "port", "data_dir", "database_url")}
+    """Settings from the flags this subcommand has, over ``VERBATIM_*`` in ``env`` (default os.environ)."""
+    overrides = {f.name: getattr(args, _DEST + f.name, None) for f in dataclasses.fields(Settings)}
     return Settings.from_env(os.environ if env is None else env, **overrides)
 
 
@@ -66,9 +111,7 @@ def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -
 
 
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", help="bind address (default 127.0.0.1; env VERBATIM_HOST)")
-    parser.add_argument("--port", type=int, help="port (default 8000; env VERBATIM_PORT)")
-    _db_flags(parser)
+    setting_flags(parser, (*ENGINE_SETTINGS, *SERVICE_SETTINGS, *STORAGE_SETTINGS))
     parser.set_defaults(run=serve)
 
 
@@ -95,7 +138,19 @@ async def bootstrap_admin(settings: Settings) -> str | None:
         await db.dispose()
 
 
+class _StopOnLoadError:
+    """``on_engine_error`` hook: stops the server (built after the app, so set later) when the model fails."""
+
+    def __init__(self) -> None:
+        self.server: Any = None  # uvicorn.Server
+
+    def __call__(self, _error: str) -> None:
+        if self.server is not None:
+            self.server.should_exit = True
+
+
 def serve(args: argparse.Namespace) -> int:
+    """Exit status 1 when the model cannot be loaded (unless --keep-serving-on-load-error), else 0."""
     import uvicorn
 
     from auditor import logs
@@ -110,11 +165,24 @@ def serve(args: argparse.Namespace) -> int:
             print(f"Created the first admin API key (tenant {BOOTSTRAP_TENANT!r}, role admin). "
                   "It is shown once and stored only as a hash:", flush=True)
             print(secret, flush=True)
-    print(f"Verbatim listening on http://{settings.host}:{settings.port} (model loads in the background; "
-          "GET /readyz says when it is ready)", flush=True)
+    stop = None if settings.keep_serving_on_load_error else _StopOnLoadError()
+    app = create_app(settings, on_engine_error=stop)
     # log_config=None: uvicorn's records go through the service's handler (JSON, exception text withheld).
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                log_config=None, access_log=False, timeout_graceful_shutdown=10)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning",
+                                           log_config=None, access_log=False, timeout_graceful_shutdown=10))
+    if stop is not None:
+        stop.server = server
+    print(f"Verbatim listening on http://{settings.host}:{settings.port}; loading model {settings.model!r} "
+          "(progress on stderr; GET /readyz says when it is ready)", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it shut down on, once shut down (as uvicorn.run)
+        pass
+    error = app.state.services.engine_error
+    if error and stop is not None:
+        print(f"error: model {settings.model!r} could not be loaded, so the server stopped: {error}",
+              file=sys.stderr, flush=True)
+        return 1
     return 0
 
 
@@ -127,15 +195,15 @@ def _keys_parser(parser: argparse.ArgumentParser) -> None:
     create.add_argument("--tenant", required=True)
     create.add_argument("--role", required=True, choices=[r.value for r in Role])
     create.add_argument("--name", help="a label for the key")
-    _db_flags(create)
+    storage_flags(create)
     create.set_defaults(run=lambda a: asyncio.run(_keys_create(a)))
     listing = sub.add_parser("list", help="list API keys (ids, tenants, roles; never secrets)")
     listing.add_argument("--tenant")
-    _db_flags(listing)
+    storage_flags(listing)
     listing.set_defaults(run=lambda a: asyncio.run(_keys_list(a)))
     revoke = sub.add_parser("revoke", help="revoke an API key by id")
     revoke.add_argument("key_id")
-    _db_flags(revoke)
+    storage_flags(revoke)
     revoke.set_defaults(run=lambda a: asyncio.run(_keys_revoke(a)))
 
 
@@ -188,7 +256,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jwks", help="JWKS file or http(s) URL (default: this server's keys in the data dir)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     _witness_flags(parser)
-    _db_flags(parser)
+    storage_flags(parser)
     parser.set_defaults(run=verify)
 
 
@@ -234,7 +302,7 @@ def verify(args: argparse.Namespace) -> int:
 def _migrate_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default="head", help="target revision (default head)")
     parser.add_argument("--down", action="store_true", help="downgrade to --revision (default base)")
-    _db_flags(parser)
+    storage_flags(parser)
     parser.set_defaults(run=run_migrate)
 
 
@@ -255,12 +323,12 @@ def _signing_keys_parser(parser: argparse.ArgumentParser) -> None:
 
     sub = parser.add_subparsers(dest="signing_keys_command", required=True)
     listing = sub.add_parser("list", help="list the signing keys (kid, role, status; public facts only)")
-    _db_flags(listing)
+    storage_flags(listing)
     listing.set_defaults(run=signing_keys_list)
     rotate = sub.add_parser("rotate", help="retire a role's active key and create a new one (old ones stay "
                             "published); running servers sharing the key directory pick it up")
     rotate.add_argument("--role", required=True, choices=[r.value for r in KeyRole])
-    _db_flags(rotate)
+    storage_flags(rotate)
     rotate.set_defaults(run=signing_keys_rotate)
 
 
@@ -290,24 +358,38 @@ SUBCOMMANDS: list[Command] = [
 
 
 def plugin_commands() -> list[Command]:
-    """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge)."""
+    """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge);
+    witness; monitor; the engine's generate and bench."""
     from auditor import monitor, replay_cli
     from auditor.reports.cli import COMMANDS
     from auditor.witness import cli as witness_cli
+    from engine.cli import COMMANDS as ENGINE_COMMANDS
 
     return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS,
             ("witness", "run a C2SP tlog-witness that cosigns consistent checkpoints", witness_cli.configure),
-            ("monitor", "follow a log's checkpoints and fail loudly on any inconsistency", monitor.configure)]
+            ("monitor", "follow a log's checkpoints and fail loudly on any inconsistency", monitor.configure),
+            *ENGINE_COMMANDS]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m auditor", description="Verbatim audit service")
-    sub = parser.add_subparsers(dest="command", required=True)
+def build_parser(prog: str = "verbatim") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Verbatim: verifiable LLM inference (bit-exact "
+                                     "replayable completions, signed transcripts, a tamper-evident log)")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text, configure in [*SUBCOMMANDS, *plugin_commands()]:
         configure(sub.add_parser(name, help=help_text, description=help_text))
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+def main(argv: Sequence[str] | None = None, prog: str = "verbatim") -> int:
+    """The ``verbatim`` console script. Exit status 2 for a bad setting (the message names it)."""
+    from engine.cli import cuda_bench, wants_cuda_bench
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if wants_cuda_bench(argv):  # the GPU benchmarks parse their own flags
+        return cuda_bench(argv)
+    args = build_parser(prog).parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

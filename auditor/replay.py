@@ -42,7 +42,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +68,9 @@ if TYPE_CHECKING:
     from auditor.routes.deps import Services
 
 log = logging.getLogger("auditor.replay")
+
+ReplayProgress = Callable[[int, int], None]
+"""(tokens replayed, tokens in the whole batch), as ``engine.AsyncEngine.replay`` reports them."""
 
 DEFAULT_MAX_QUEUED = 8
 """Per-tenant limit on replays queued or running at once (429 beyond)."""
@@ -456,8 +459,9 @@ class ReplayService:
                     ReplayJob.id.in_(list(job_ids)), ReplayJob.claimed_by == self.worker_id,
                     ReplayJob.status == ReplayStatus.RUNNING.value).values(lease_expires_at=_lease_end()))
 
-    async def run_batch(self, job_ids: Sequence[str]) -> int:
-        """Replay ``job_ids`` (already ``running``) in one engine call and finish each job."""
+    async def run_batch(self, job_ids: Sequence[str], on_progress: ReplayProgress | None = None) -> int:
+        """Replay ``job_ids`` (already ``running``) in one engine call and finish each job. ``on_progress``
+        (tokens replayed, tokens in all) is handed to the engine."""
         if not job_ids:
             return 0
         engine = self.services.engine
@@ -465,7 +469,7 @@ class ReplayService:
         try:
             claimed = [await self._prepare_or_fail(job_id, engine) for job_id in job_ids]
             runnable = [c for c in claimed if c.record is not None and c.outcome is None and c.error is None]
-            await self._execute(engine, runnable)
+            await self._execute(engine, runnable, on_progress)
             for c in claimed:
                 await self._finish(c, engine)
         finally:
@@ -498,19 +502,21 @@ class ReplayService:
             claimed.outcome = not_executed(claimed.differences, claimed.record.shape, current)
         return claimed
 
-    async def _execute(self, engine: Any, runnable: list[_Claimed]) -> None:
+    async def _execute(self, engine: Any, runnable: list[_Claimed], on_progress: ReplayProgress | None = None) -> None:
         """One ``engine.replay`` for all; if the engine refuses the batch, each alone (to name the bad one)."""
         if not runnable:
             return
         try:
             requests = [c.record.replay_request(c.job_id) for c in runnable if c.record is not None]
-            results = await engine.replay(requests)
+            # on_progress only when asked for: engines without progress reporting keep working
+            results = await (engine.replay(requests, on_progress=on_progress) if on_progress is not None
+                             else engine.replay(requests))
         except ValueError as exc:
             if len(runnable) == 1:
                 runnable[0].error = f"the engine refused the recorded windows: {exc}"
                 return
             for c in runnable:
-                await self._execute(engine, [c])
+                await self._execute(engine, [c], on_progress)
             return
         except Exception as exc:  # noqa: BLE001 - recorded on each job; the worker carries on
             log_failure(log, "engine replay failed", exc)
@@ -561,15 +567,16 @@ class ReplayService:
 
     # --- CLI ----------------------------------------------------------------------------------------
 
-    async def run_now(self, transcript_id: str, requested_by: str = "cli") -> dict[str, Any]:
-        """Queue and run one replay in this process (``python -m auditor replay``)."""
+    async def run_now(self, transcript_id: str, requested_by: str = "cli",
+                      on_progress: ReplayProgress | None = None) -> dict[str, Any]:
+        """Queue and run one replay in this process (``verbatim replay``)."""
         async with self.services.sessionmaker() as session:
             row = await repository.get_transcript(session, transcript_id)
         if row is None:
             raise not_found(f"transcript {transcript_id!r} not found")
         principal = Principal(requested_by, row.tenant, Role.ADMIN)
         job = await self.submit(principal, transcript_id)
-        await self.run_batch(await self._claim([job["id"]]))
+        await self.run_batch(await self._claim([job["id"]]), on_progress)
         job = await self.get(principal, job["id"], record=False)
         while job["status"] not in _FINAL:  # a server sharing the database claimed it first
             await asyncio.sleep(POLL_SECONDS)

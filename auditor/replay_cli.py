@@ -1,11 +1,13 @@
-"""``python -m auditor replay <transcript-id>``: replay one transcript and print the verdict.
+"""``verbatim replay <transcript-id>``: replay one transcript and print the verdict.
 
 Two ways to run it:
 - ``--url http://127.0.0.1:8000 --api-key KEY`` (or ``VERBATIM_URL`` / ``VERBATIM_API_KEY``): ask a
   running server (``POST /v1/transcripts/{id}/replay?wait=true``), as any HTTP client would;
 - otherwise in this process, against the database and key ring of ``--data-dir`` /
-  ``--database-url``: the engine is loaded here (the server's default model and settings), the job is
-  recorded in ``replay_jobs`` (requested by ``cli``) and its attestation appended to the log.
+  ``--database-url``: the engine is loaded here (``--model``, ``--device``, ``--engine-options`` or their
+  ``VERBATIM_*`` variables, as the server would), the job is recorded in ``replay_jobs`` (requested by
+  ``cli``) and its attestation appended to the log. Model loading and the replayed tokens show progress
+  on stderr (a bar on a terminal, log lines otherwise).
 
 Exit status: 0 match, 1 mismatch, 3 inconclusive_environment, 2 refused or failed.
 """
@@ -24,13 +26,13 @@ EXIT = {"match": 0, "mismatch": 1, "inconclusive_environment": 3}
 
 def configure(parser: argparse.ArgumentParser) -> None:
     """Arguments of the ``replay`` subcommand, registered in ``auditor.cli.SUBCOMMANDS``."""
-    from auditor.cli import _db_flags
+    from auditor.cli import ENGINE_SETTINGS, STORAGE_SETTINGS, setting_flags
 
     parser.add_argument("transcript_id", help="id of a deterministic transcript (see GET /v1/transcripts)")
     parser.add_argument("--url", help="replay on a running server at this base URL (env VERBATIM_URL)")
     parser.add_argument("--api-key", help="API key for --url (env VERBATIM_API_KEY)")
     parser.add_argument("--json", action="store_true", help="print the replay job as JSON")
-    _db_flags(parser)
+    setting_flags(parser, (*ENGINE_SETTINGS, *STORAGE_SETTINGS))
     parser.set_defaults(run=main)
 
 
@@ -66,23 +68,29 @@ def _over_http(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _in_process(args: argparse.Namespace) -> dict[str, Any]:
+    from engine import progress
+
     from auditor.app import attach_engine, build_services, load_engine
     from auditor.cli import prepare_storage, settings_from
     from auditor.errors import ApiError
     from auditor.replay import ReplayService
 
     settings = settings_from(args)
+    progress.log_to_stderr()
     await asyncio.to_thread(prepare_storage, settings)
     services = build_services(settings)
     engine = None
+    meter = progress.Meter(f"replay {args.transcript_id}", "token")
     try:
         engine = await asyncio.to_thread(load_engine, settings)
         await engine.start()
         attach_engine(services, engine)
-        return await ReplayService(services).run_now(args.transcript_id)
+        with progress.stage(f"replay of transcript {args.transcript_id}"):
+            return await ReplayService(services).run_now(args.transcript_id, on_progress=meter.update)
     except ApiError as exc:
         raise ReplayRefused(f"{exc.message} ({exc.code})") from None
     finally:
+        meter.close()
         if engine is not None:
             await engine.shutdown()
         await services.db.dispose()

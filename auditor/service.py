@@ -109,18 +109,16 @@ def engine_error(exc: ValueError) -> ApiError:
 
 
 class CompletionService:
-    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, max_prompt_tokens: int,
+    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, model_name: str, max_prompt_tokens: int,
                  max_tokens_limit: int) -> None:
         self.engine = engine
+        self.model_name = model_name
+        """The served model id: what clients send as ``model`` and what transcripts record as its name."""
         self.ledger = ledger
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
         self.max_tokens_limit = max_tokens_limit
         self._background: set[asyncio.Task[Any]] = set()
-
-    @property
-    def model_name(self) -> str:
-        return str(self.engine.model_info.name)
 
     # --- prepare ---------------------------------------------------------------------------------
 
@@ -245,7 +243,7 @@ class CompletionService:
             "transcript_id": prepared.transcript_id, "tenant": prepared.tenant, "api": prepared.request.api,
             "received_at": timestamp(prepared.received_at), "completed_at": timestamp(completed_at),
             "status": status,
-            "model": ModelInfo(info.name, info.weights_digest, info.tokenizer_digest,
+            "model": ModelInfo(self.model_name, info.weights_digest, info.tokenizer_digest,
                                info.chat_template_digest, str(info.dtype)),
             "runtime": self.engine.runtime_fingerprint(), "sampling_params": params,
             "seed": int(output.seed), "deterministic": bool(output.deterministic),

@@ -15,51 +15,61 @@ from typing import Any, Mapping
 ENV_PREFIX = "VERBATIM_"
 
 
+def _setting(default: Any, help: str) -> Any:
+    """A field with its help text (shown by ``verbatim <command> --help`` and listed in docs/cli.md)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class Settings:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    data_dir: Path = Path("data")
-    database_url: str | None = None
-    """SQLAlchemy async URL; ``None`` means ``sqlite+aiosqlite:///<data_dir>/verbatim.db``."""
-    database_schema: str | None = None
-    """PostgreSQL schema (search_path) to use instead of the default; tests use a fresh one."""
-    log_origin: str = "verbatim.local/log"
-    """Origin line of the log's checkpoints (C2SP); name the deployment."""
-    model: str = "default"
-    """``default`` (the SmolLM2 GGUF), a local Hugging Face model directory, a .gguf file, or
-    ``synthetic:<preset>[:peaked]`` (seeded random weights of a preset shape, for benchmarks)."""
-    device: str = "auto"
-    deterministic_default: bool = True
-    """Value of the ``deterministic`` extension field when a request leaves it out."""
-    max_body_bytes: int = 1_048_576
-    max_prompt_tokens: int = 4096
-    max_tokens_limit: int = 4096
-    rate_limit_per_second: float = 20.0
-    rate_limit_burst: int = 60
-    replay_max_queued: int = 8
-    """Replays one tenant may have queued or running at once; past it, POST .../replay answers 429."""
-    log_level: str = "INFO"
-    bootstrap_admin: bool = True
-    """On first start with no admin key, create one and print it once."""
-    engine_options: Mapping[str, Any] = field(default_factory=dict)
-    """Extra ``EngineConfig`` keyword arguments, e.g. ``VERBATIM_ENGINE_OPTIONS='{"window": 16, "group": 8}'``."""
-    engine_factory: str | None = None
-    """``module:callable`` building the engine from the ``Settings`` instead of ``engine.AsyncEngine``
-    (tests run several server processes on a small fake engine this way)."""
-    witnesses: tuple[tuple[str, str], ...] = ()
-    """C2SP tlog-witnesses asked to cosign each new checkpoint: ``(submission URL, cosigner vkey)`` pairs;
-    ``VERBATIM_WITNESSES='[{"url": "http://w1:8090", "vkey": "w1.example+1a2b3c4d+BA…"}]'``."""
-    witness_quorum: int = 0
-    """Cosignatures a checkpoint needs to count as witnessed (``?witnessed=true``); 0 means every witness."""
-    witness_interval: float = 1.0
-    """Seconds between two checks for a checkpoint the witnesses have not cosigned yet."""
-    witness_timeout: float = 10.0
-    """Seconds one witness request (and a ``?witnessed=true`` wait) may take."""
-    redis_url: str | None = None
-    """``redis://host:port/db``: console sessions and rate limits shared by every replica (else in memory)."""
-    key_reload_interval: float = 5.0
-    """Seconds between checks of the key directory for keys rotated by another process."""
+    host: str = _setting("127.0.0.1", "bind address")
+    port: int = _setting(8000, "TCP port")
+    data_dir: Path = _setting(Path("data"), "data directory: SQLite database, signing keys, report bundles")
+    database_url: str | None = _setting(
+        None, "SQLAlchemy async URL, e.g. postgresql+asyncpg://user@host/db (default: sqlite+aiosqlite:///"
+        "<data dir>/verbatim.db)")
+    database_schema: str | None = _setting(
+        None, "PostgreSQL schema (search_path) to use instead of the default; tests use a fresh one")
+    log_origin: str = _setting("verbatim.local/log", "origin line of the log's checkpoints (C2SP); name the deployment")
+    model: str = _setting(
+        "default", "'default' (the SmolLM2 GGUF), a local Hugging Face model folder, a .gguf file, a Hugging Face "
+        "model id ORG/NAME[@REVISION] (resolved through the Hugging Face cache; HF_HUB_OFFLINE, HF_HOME / "
+        "HF_HUB_CACHE and HF_TOKEN apply), or synthetic:<preset>[:peaked] (seeded random weights of a preset "
+        "shape, for benchmarks)")
+    served_model_name: str | None = _setting(
+        None, "the model id clients send and transcripts record; none: the name given to --model (the hub id "
+        "without revision, the folder name, or the GGUF file stem)")
+    device: str = _setting("auto", "auto / cpu / cuda")
+    deterministic_default: bool = _setting(True, "value of the deterministic extension field when a request "
+                                           "leaves it out")
+    max_body_bytes: int = _setting(1_048_576, "largest request body accepted, in bytes")
+    max_prompt_tokens: int = _setting(4096, "longest prompt accepted, in tokens (413 beyond)")
+    max_tokens_limit: int = _setting(4096, "largest max_tokens a request may ask for")
+    rate_limit_per_second: float = _setting(20.0, "requests per second per API key (token bucket rate)")
+    rate_limit_burst: int = _setting(60, "token bucket size per API key")
+    replay_max_queued: int = _setting(8, "replays one tenant may have queued or running at once (429 beyond)")
+    log_level: str = _setting("INFO", "DEBUG / INFO / WARNING / ERROR")
+    bootstrap_admin: bool = _setting(True, "on first start with no admin key, create one and print it once")
+    keep_serving_on_load_error: bool = _setting(
+        False, "when the model cannot be loaded, keep serving (/readyz answers 503 with the error) instead of "
+        "exiting with status 1")
+    engine_options: Mapping[str, Any] = field(default_factory=dict, metadata={"help": (
+        "other EngineConfig fields as a JSON object, e.g. '{\"window\": 16, \"group\": 8}'")})
+    engine_factory: str | None = _setting(
+        None, "module:callable building the engine from the Settings instead of engine.AsyncEngine (tests run "
+        "several server processes on a small fake engine this way)")
+    witnesses: tuple[tuple[str, str], ...] = _setting(
+        (), "C2SP tlog-witnesses asked to cosign each new checkpoint, as a JSON list of {\"url\", \"vkey\"} "
+        "objects, e.g. '[{\"url\": \"http://w1:8090\", \"vkey\": \"w1.example+1a2b3c4d+BA...\"}]'")
+    witness_quorum: int = _setting(0, "cosignatures a checkpoint needs to count as witnessed (?witnessed=true); "
+                                   "0 means every witness")
+    witness_interval: float = _setting(1.0, "seconds between two checks for a checkpoint the witnesses have not "
+                                       "cosigned yet")
+    witness_timeout: float = _setting(10.0, "seconds one witness request (and a ?witnessed=true wait) may take")
+    redis_url: str | None = _setting(None, "redis://host:port/db: console sessions and rate limits shared by "
+                                     "every replica (else in memory)")
+    key_reload_interval: float = _setting(5.0, "seconds between checks of the key directory for keys rotated by "
+                                          "another process")
 
     def __post_init__(self) -> None:
         if not 0 < self.port < 65536:

@@ -13,14 +13,16 @@ import asyncio
 import itertools
 import queue
 import threading
+import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from engine import progress
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.fingerprint import runtime_fingerprint, system_fingerprint
@@ -40,18 +42,25 @@ class _Stream:
     published: int = -1
 
 
+ReplayProgress = Callable[[int, int], None]
+"""on_progress(tokens replayed, tokens in all the job's records), called on the caller's event loop."""
+
+
 @dataclass
 class _ReplayJob:
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future[list[ReplayResult]]
     requests: list[ReplayRequest]
     seqs: list[Sequence] = field(default_factory=list)
+    on_progress: ReplayProgress | None = None
+    reported: int = -1
 
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         """Loads the model (blocking: call it off the event loop)."""
         self.config = config or EngineConfig()
+        started = time.perf_counter()
         if self.config.num_threads is not None:
             torch.set_num_threads(self.config.num_threads)
         # OpenMP thread counts are per thread: the stepping thread must use the same count as here,
@@ -63,6 +72,7 @@ class AsyncEngine:
         eos = set(getattr(loaded.info, "eos_token_ids", ()) or ())
         self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer))
         self._fingerprint = runtime_fingerprint(self.config)
+        progress.ready(self.config, str(getattr(loaded.info, "name", "?")), started)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -129,13 +139,15 @@ class AsyncEngine:
         self._send(("abort", request_id, fut))
         return await fut
 
-    async def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
-        """Teacher-forced re-execution of recorded windows; replays share G x W verify passes."""
+    async def replay(self, requests: list[ReplayRequest],
+                     on_progress: ReplayProgress | None = None) -> list[ReplayResult]:
+        """Teacher-forced re-execution of recorded windows; replays share G x W verify passes.
+        on_progress hears the replayed token count after every engine step that advanced it."""
         validate_replays(self.core, requests)
         if not requests:
             return []
         loop = asyncio.get_running_loop()
-        job = _ReplayJob(loop, loop.create_future(), list(requests))
+        job = _ReplayJob(loop, loop.create_future(), list(requests), on_progress=on_progress)
         self._send(("replay", job))
         return await job.future
 
@@ -158,6 +170,7 @@ class AsyncEngine:
                 self._fail_all(exc)
                 continue
             self._publish(touched)
+            self._report_replays()
             self._finish_replays()
 
     def _drain_inbox(self) -> None:
@@ -213,6 +226,16 @@ class AsyncEngine:
                 self._streams.pop(seq.request_id, None)
         for loop, items in batches.items():
             loop.call_soon_threadsafe(_deliver, items)
+
+    def _report_replays(self) -> None:
+        for job in self._replays:
+            if job.on_progress is None:
+                continue
+            done = sum(len(s.replay.predicted) for s in job.seqs if s.replay is not None)
+            if done != job.reported:
+                job.reported = done
+                total = sum(len(r.token_ids) for r in job.requests)
+                job.loop.call_soon_threadsafe(job.on_progress, done, total)
 
     def _finish_replays(self) -> None:
         done = [j for j in self._replays if all(s.is_finished for s in j.seqs)]

@@ -64,7 +64,8 @@ class EngineConfig:
     tokens of verify passes), so usable slots = (num_kv_blocks - 2) * block_size.
     """
 
-    model: str = DEFAULT_MODEL          # "default" (SmolLM2 GGUF), a HF model folder, a .gguf file, or
+    model: str = DEFAULT_MODEL          # "default" (SmolLM2 GGUF), a HF model folder, a .gguf file, a Hugging Face
+                                        # model id ORG/NAME[@REVISION] (engine/hub.py), or
                                         # "synthetic:<preset>[:peaked]" (engine/models/synthetic.py: seeded
                                         # random weights, e.g. synthetic:llama-3.1-8b:peaked for GPU benches)
     device: str = "auto"                # auto / cpu / cuda

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 
+from engine import progress
 from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.model_runner import ModelShape, PagedModel, load_model
@@ -25,12 +27,14 @@ class LLM:
         if config is not None and overrides:
             raise ValueError(f"LLM: pass an EngineConfig or keyword options, not both (got {sorted(overrides)})")
         config = config or EngineConfig(**overrides)
+        started = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config)
         eos = set(loaded.info.eos_token_ids)
         self._attach(EngineCore(config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer)),
                      loaded.tokenizer, loaded.info)
+        progress.ready(config, loaded.info.name, started)
 
     @classmethod
     def from_parts(cls, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],

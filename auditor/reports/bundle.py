@@ -14,7 +14,6 @@ from auditor import canonical as cn
 from auditor.checkpoint import Checkpoint, verify_checkpoint
 from auditor.crypto import Signer, as_verifier_keys
 from auditor.merkle import ProofError, leaf_hash, verify_consistency, verify_inclusion
-from auditor.reports import charts
 from auditor.reports.inputs import BundleInputs, TranscriptEntry, iso_utc
 from auditor.reports.manifest import (
     MANIFEST_ENVELOPE_PATH,
@@ -24,7 +23,6 @@ from auditor.reports.manifest import (
     sign_manifest,
 )
 from auditor.reports.narrative import ContentItem, Narrative, render_html
-from auditor.reports.pdf import render_pdf
 from auditor.reports.stats import compute_stats
 from auditor.reports.scope import ChainLink, Scope, chain_findings
 from auditor.reports.summary import (
@@ -152,6 +150,18 @@ def _checkpoints(inputs: BundleInputs, keys: Mapping[str, Any]) -> tuple[Checkpo
     return start, end
 
 
+def _renderers() -> tuple[Any, Any]:
+    """(charts module, render_pdf): matplotlib and reportlab are the `reports` extra, imported only when a
+    report is built, so verifying a bundle or serving needs neither."""
+    try:
+        from auditor.reports import charts
+        from auditor.reports.pdf import render_pdf
+    except ImportError as exc:
+        raise RuntimeError(f"building a report needs matplotlib and reportlab: pip install 'verbatim[reports]' "
+                           f"({exc})") from exc
+    return charts, render_pdf
+
+
 def build_bundle(inputs: BundleInputs, signer: Signer) -> bytes:
     """The ZIP bytes of a report bundle, its manifest signed by ``signer`` (``report`` role).
 
@@ -159,6 +169,7 @@ def build_bundle(inputs: BundleInputs, signer: Signer) -> bytes:
     or an inclusion proof for the wrong size): a report must not be built on a broken log view.
     A transcript whose signature or inclusion proof fails is kept and reported as such.
     """
+    charts, render_pdf = _renderers()
     keys = as_verifier_keys(inputs.jwks)
     start, end = _checkpoints(inputs, keys)
     include = inputs.filters.include_content

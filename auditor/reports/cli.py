@@ -45,7 +45,7 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
                         help="include prompts, outputs, token ids and salts (excluded by default)")
     parser.add_argument("-o", "--output", type=Path, help="where to write the ZIP (default ./verbatim-report-<id>.zip)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _base()._db_flags(parser)
+    _base().storage_flags(parser)
     parser.set_defaults(run=lambda a: asyncio.run(export(a)))
 
 
@@ -146,12 +146,12 @@ def verify_bundle_command(args: argparse.Namespace) -> int:
 def _retention_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="retention_command", required=True)
     show = sub.add_parser("show", help="print the retention settings")
-    _base()._db_flags(show)
+    _base().storage_flags(show)
     show.set_defaults(run=retention_show)
     put = sub.add_parser("set", help="set a tenant's (or the default) retention in days")
     put.add_argument("--tenant", help="tenant (omit to set the default)")
     put.add_argument("--days", type=int, required=True)
-    _base()._db_flags(put)
+    _base().storage_flags(put)
     put.set_defaults(run=retention_set)
 
 
@@ -184,7 +184,7 @@ def retention_set(args: argparse.Namespace) -> int:
 
 def _purge_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", help="only this tenant (default: all)")
-    _base()._db_flags(parser)
+    _base().storage_flags(parser)
     parser.set_defaults(run=lambda a: asyncio.run(purge_command(a)))
 
 

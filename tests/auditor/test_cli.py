@@ -74,10 +74,12 @@ async def test_verify_command_accepts_served_document_and_rejects_tampering(fake
 
 def test_serve_first_start_sets_everything_up(tmp_path: Path) -> None:
     """Migrates, creates owner-only signing keys and one admin key (printed once), listens; the model
-    path is made invalid so the test does not load a model (readyz reports the engine error)."""
+    path is made invalid so the test does not load a model, and the server is told to keep serving
+    (readyz reports the engine error)."""
     data = tmp_path / "data"
     port = free_port()
-    env = {"VERBATIM_MODEL": str(tmp_path / "no-such-model"), "VERBATIM_PORT": str(port)}
+    env = {"VERBATIM_MODEL": str(tmp_path / "no-such-model"), "VERBATIM_PORT": str(port),
+           "VERBATIM_KEEP_SERVING_ON_LOAD_ERROR": "1"}
     first, output = _serve_once(data, env, port)
     admin_key = next(line for line in output.splitlines() if line.startswith("vbk_"))
     assert (data / "verbatim.db").exists()

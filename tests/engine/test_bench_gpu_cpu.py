@@ -27,16 +27,16 @@ def test_presets_expand_in_order_without_duplicates() -> None:
 def test_compare_modes_is_the_whole_comparison_and_routes_to_the_gpu_bench() -> None:
     """`python -m engine bench --compare-modes` (issue 6's command): every mode-comparison section and the
     W/G sweep, whatever --sections says; the CLI sends it to the GPU bench unless --device cpu is given."""
-    from engine.cli import _wants_cuda_bench
+    from engine.cli import wants_cuda_bench
 
     args = bg.parse_args(["--compare-modes", "--sections", "core"])
     assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
                                   "compare_modes_synthetic_long", "wg_sweep"]
     assert bg.parse_args([]).section_names == list(bg.SECTION_PRESETS["core"])
-    assert _wants_cuda_bench(["bench", "--compare-modes"])
-    assert _wants_cuda_bench(["bench", "--device", "cuda"]) and _wants_cuda_bench(["bench", "--device=cuda"])
-    assert not _wants_cuda_bench(["bench", "--compare-modes", "--device", "cpu"])
-    assert not _wants_cuda_bench(["bench"]) and not _wants_cuda_bench(["generate", "--compare-modes"])
+    assert wants_cuda_bench(["bench", "--compare-modes"])
+    assert wants_cuda_bench(["bench", "--device", "cuda"]) and wants_cuda_bench(["bench", "--device=cuda"])
+    assert not wants_cuda_bench(["bench", "--compare-modes", "--device", "cpu"])
+    assert not wants_cuda_bench(["bench"]) and not wants_cuda_bench(["generate", "--compare-modes"])
 
 
 def test_budgets_parse() -> None:
