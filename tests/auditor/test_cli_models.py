@@ -67,7 +67,7 @@ def test_every_setting_is_a_serve_flag() -> None:
               "database_schema": "s1", "log_origin": "example.org/log", "model": "org/m@v1", "served_model_name": "m",
               "device": "cpu", "max_body_bytes": "2048", "max_prompt_tokens": "7", "max_tokens_limit": "9",
               "rate_limit_per_second": "1.5", "rate_limit_burst": "3", "replay_max_queued": "2", "log_level": "DEBUG",
-              "engine_options": '{"group": 4}', "engine_factory": "tests.auditor.fake_engine:build",
+              "engine_options": '{"group": 4}', "engine_factory": "tests.auditor.fake_engine:from_settings",
               "redis_url": "redis://127.0.0.1:6379/0", "key_reload_interval": "2.5",
               "witnesses": '[{"url": "http://127.0.0.1:8090", "vkey": "%s"}]' % VKEY, "witness_quorum": "1",
               "witness_interval": "0.5", "witness_timeout": "3"}
@@ -80,7 +80,7 @@ def test_every_setting_is_a_serve_flag() -> None:
                         device="cpu", deterministic_default=False, max_body_bytes=2048, max_prompt_tokens=7,
                         max_tokens_limit=9, rate_limit_per_second=1.5, rate_limit_burst=3, replay_max_queued=2,
                         log_level="DEBUG", bootstrap_admin=False, keep_serving_on_load_error=True,
-                        engine_options={"group": 4}, engine_factory="tests.auditor.fake_engine:build",
+                        engine_options={"group": 4}, engine_factory="tests.auditor.fake_engine:from_settings",
                         redis_url="redis://127.0.0.1:6379/0", key_reload_interval=2.5,
                         witnesses=(("http://127.0.0.1:8090", VKEY),), witness_quorum=1, witness_interval=0.5,
                         witness_timeout=3.0)
