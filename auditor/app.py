@@ -61,16 +61,19 @@ def load_engine(settings: Settings) -> Any:
 
 def build_services(settings: Settings) -> Services:
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
+    ledger_db = create_engine(settings.resolved_database_url, schema=settings.database_schema, connections=1)
     sessionmaker = create_sessionmaker(db)
     keyring = KeyRing.open(settings.keys_dir)
     holder: dict[str, Services] = {}
-    metrics = Metrics(lambda: holder["services"].engine.stats() if holder["services"].engine else None)
     redis, limiter, session_store = _shared_state(settings)
-    ledger = Ledger(sessionmaker, keyring, settings.log_origin)
+    ledger = Ledger(sessionmaker, keyring, settings.log_origin, writer=create_sessionmaker(ledger_db))
+    metrics = Metrics(lambda: holder["services"].engine.stats() if holder["services"].engine else None,
+                      lambda: ledger.stats)
     services = Services(
-        settings=settings, db=db, sessionmaker=sessionmaker, keyring=keyring, ledger=ledger,
-        authenticator=Authenticator(sessionmaker, limiter), metrics=metrics, session_store=session_store,
-        redis=redis, witnesses=WitnessPool.from_settings(settings, sessionmaker, ledger, metrics.witness_result))
+        settings=settings, db=db, ledger_db=ledger_db, sessionmaker=sessionmaker, keyring=keyring, ledger=ledger,
+        authenticator=Authenticator(sessionmaker, limiter, cache_seconds=settings.api_key_cache_seconds),
+        metrics=metrics, session_store=session_store, redis=redis,
+        witnesses=WitnessPool.from_settings(settings, sessionmaker, ledger, metrics.witness_result))
     holder["services"] = services
     return services
 
@@ -138,6 +141,8 @@ def create_app(
     background: list[asyncio.Task[Any]] = []
 
     async def startup() -> None:
+        # The log is checked before the server takes requests: nothing is signed over a log that fails.
+        await services.ledger.start(settings.log_check_interval_seconds)
         if engine is not None:
             attach_engine(services, engine)
         else:
@@ -155,6 +160,7 @@ def create_app(
             task.cancel()
         if services.completions is not None:
             await services.completions.drain()
+        await services.ledger.stop()
         if engine is None and services.engine is not None:
             await services.engine.shutdown()
         await services.db.dispose()

@@ -10,7 +10,9 @@ import datetime as dt
 import hashlib
 import math
 import secrets
-from collections.abc import Sequence
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
@@ -76,24 +78,59 @@ def bearer_secret(authorization: str | None) -> str:
     return secret.strip()
 
 
-class Authenticator:
-    """Resolves the request's key to a ``Principal`` and applies the per-key rate limit."""
+MAX_CACHED_KEYS = 10_000
 
-    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], limiter: Limiter) -> None:
+
+class Authenticator:
+    """Resolves the request's key to a ``Principal`` and applies the per-key rate limit.
+
+    A key found valid is remembered for ``cache_seconds`` (0: every request reads the database; a
+    lookup per request was what limited completions per second). A key revoked through this process
+    (``revoked``) is refused at once; one revoked elsewhere (another replica, the CLI) within
+    ``cache_seconds``. Unknown and revoked keys are never cached."""
+
+    def __init__(self, sessionmaker: async_sessionmaker[AsyncSession], limiter: Limiter, *,
+                 cache_seconds: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._sessionmaker = sessionmaker
         self._limiter = limiter
+        self._cache_seconds = cache_seconds
+        self._clock = clock
+        self._cached: OrderedDict[str, tuple[float, Principal]] = OrderedDict()
+        self._revoked: set[str] = set()
 
     async def authenticate(self, authorization: str | None) -> Principal:
         digest = hash_key(bearer_secret(authorization))
+        principal = self._remembered(digest) or await self._look_up(digest)
+        if principal is None or principal.key_id in self._revoked:
+            raise ApiError(401, "invalid or revoked API key", code="invalid_api_key")
+        wait = await self._limiter.take(principal.key_id)
+        if wait is not None:
+            raise ApiError(429, f"rate limit exceeded for key {principal.key_id}; retry in {wait:.2f}s",
+                           code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
+        return principal
+
+    def revoked(self, key_id: str) -> None:
+        """``key_id`` was revoked in this process: refuse it from now on, cached or not."""
+        self._revoked.add(key_id)
+
+    def _remembered(self, digest: str) -> Principal | None:
+        entry = self._cached.get(digest)
+        if entry is None or entry[0] < self._clock():
+            return None
+        return entry[1]
+
+    async def _look_up(self, digest: str) -> Principal | None:
         async with self._sessionmaker() as session:
             row = await repository.api_key_by_hash(session, digest)
         if row is None or row.revoked_at is not None:
-            raise ApiError(401, "invalid or revoked API key", code="invalid_api_key")
-        wait = await self._limiter.take(row.id)
-        if wait is not None:
-            raise ApiError(429, f"rate limit exceeded for key {row.id}; retry in {wait:.2f}s",
-                           code="rate_limit_exceeded", headers={"Retry-After": str(max(1, math.ceil(wait)))})
-        return Principal(row.id, row.tenant, Role(row.role))
+            return None
+        principal = Principal(row.id, row.tenant, Role(row.role))
+        if self._cache_seconds > 0:
+            self._cached[digest] = (self._clock() + self._cache_seconds, principal)
+            self._cached.move_to_end(digest)
+            while len(self._cached) > MAX_CACHED_KEYS:
+                self._cached.popitem(last=False)
+        return principal
 
 
 def require_role(principal: Principal, allowed: Sequence[Role]) -> None:

@@ -78,6 +78,12 @@ class MerkleTree:
     def leaf_hash(self, index: int) -> bytes:
         return self._leaves[index]
 
+    def truncate(self, size: int) -> None:
+        """Drop the leaves from ``size`` on (an append rolled back), and the subtree hashes over them."""
+        self._check_size(size)
+        del self._leaves[size:]
+        self._cache = {span: h for span, h in self._cache.items() if span[1] <= size}
+
     def root(self, size: int | None = None) -> bytes:
         """MTH of the first ``size`` leaves (default: all)."""
         size = self.size if size is None else size

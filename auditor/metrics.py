@@ -1,7 +1,12 @@
 """Prometheus metrics on a registry owned by the app (no process-global registry).
 
 Service counters are updated by the HTTP layer; engine figures (tokens, verify passes, rollbacks,
-verify-pass seconds, queue depth) are read from ``engine.stats()`` at scrape time.
+verify-pass seconds, queue depth) are read from ``engine.stats()`` and the log's (appends, batches,
+checkpoints, self-check state) from ``Ledger.stats`` at scrape time.
+
+The log's self-check: ``verbatim_log_integrity_ok`` is 1 after a passing check, 0 after a mismatch
+(absent before the first check); on a mismatch ``verbatim_log_integrity_first_bad_index{check=…}``
+names the first bad log index.
 """
 
 from __future__ import annotations
@@ -55,8 +60,39 @@ class _EngineCollector(Collector):
                 yield GaugeMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
 
 
+class _LogCollector(Collector):
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list[Any]:
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        for name, doc in (("appends", "Transcripts recorded in the log"), ("leaves", "Log leaves appended"),
+                          ("append_batches", "Append transactions committed (one checkpoint each)"),
+                          ("checkpoints", "Checkpoints signed")):
+            value = stats.batches if name == "append_batches" else getattr(stats, name)
+            yield CounterMetricFamily(f"verbatim_log_{name}", doc, value=float(value))
+        yield GaugeMetricFamily("verbatim_log_tree_size", "Leaves in the log", value=float(stats.tree_size))
+        checks = CounterMetricFamily("verbatim_log_integrity_checks", "Full log self-checks by result",
+                                     labels=["result"])
+        for result, count in stats.checks.items():
+            checks.add_metric([result], float(count))
+        yield checks
+        if stats.integrity.value != "unchecked":
+            yield GaugeMetricFamily("verbatim_log_integrity_ok", "1: the log passed its self-check; 0: a mismatch "
+                                    "was found (appends refused, nothing signed)",
+                                    value=1.0 if stats.fault is None else 0.0)
+        if stats.fault is not None:
+            bad = GaugeMetricFamily("verbatim_log_integrity_first_bad_index",
+                                    "First log index that failed the self-check", labels=["check"])
+            bad.add_metric([stats.fault.check], float(stats.fault.first_bad_index))
+            yield bad
+
+
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], Any]) -> None:
+    def __init__(self, engine_stats: Callable[[], Any], log_stats: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("verbatim_http_requests", "HTTP requests by route and status",
                                 ["method", "route", "status"], registry=self.registry)
@@ -70,6 +106,8 @@ class Metrics:
                                "(cosigned, refused, unreachable, ahead, bad_cosignature, http_<status>, error)",
                                ["witness", "outcome"], registry=self.registry)
         self.registry.register(_EngineCollector(engine_stats))
+        if log_stats is not None:
+            self.registry.register(_LogCollector(log_stats))
 
     def witness_result(self, witness: str, outcome: str) -> None:
         self.witness.labels(witness, outcome).inc()

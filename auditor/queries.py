@@ -18,9 +18,9 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from auditor import repository
 from auditor.auth import Principal
 from auditor.crypto import KeyRing
-from auditor.db.models import AccessAction, AccessLogEntry, Transcript
+from auditor.db.models import AccessAction, AccessLogEntry, Transcript, TranscriptContent
 from auditor.errors import not_found
-from auditor.ledger import Ledger
+from auditor.ledger import Integrity, Ledger
 from auditor.repository import TranscriptFilter, iso_utc
 from auditor.verify import bundle_entry, content_fields, verify_document
 
@@ -49,7 +49,11 @@ async def record_access(session: AsyncSession, principal: Principal, action: Acc
 async def transcript_document(session: AsyncSession, ledger: Ledger, keyring: KeyRing, principal: Principal,
                               transcript_id: str, *, include_content: bool, verify: bool,
                               at_size: int | None = None) -> dict[str, Any]:
-    """The ``verify`` document, proved against the latest checkpoint or the stored one of ``at_size``."""
+    """The transcript in the ``verify`` file format, proved against the latest checkpoint or the stored
+    one of ``at_size``. ``verify``: the server runs every check the offline verifier runs on that file
+    with the stored content (token ids and salt against the signed commitments, the window chain, the
+    logprob digest) whether or not the content is returned, plus ``log_self_check``: the state of the
+    log's own check (``auditor.logcheck``)."""
     row = await repository.get_transcript(session, transcript_id)
     if row is None or row.tenant != principal.tenant:
         raise not_found(f"transcript {transcript_id!r} not found")
@@ -57,18 +61,40 @@ async def transcript_document(session: AsyncSession, ledger: Ledger, keyring: Ke
     assert checkpoint is not None and row.log_index < checkpoint.tree_size, (at_size, row.log_index)
     proof = await ledger.inclusion_proof(session, row.log_index, checkpoint.tree_size)
     envelope = json.loads(row.envelope)
-    content = await repository.get_content(session, row.id) if include_content else None
+    content = await repository.get_content(session, row.id) if include_content or verify else None
     fields = None
     if content is not None:
         fields = content_fields(content.prompt_token_ids, content.output_token_ids, bytes(content.salt),
                                 _signed_spans(envelope), content.token_logprobs)
         fields.update(prompt_text=content.prompt_text, output_text=content.output_text)
-    doc = bundle_entry(envelope, proof, checkpoint.note, fields)
+    doc = bundle_entry(envelope, proof, checkpoint.note, fields if include_content else None)
     doc["transcript"] = summary(row)
     if verify:
-        doc["verification"] = verify_document(doc, keyring.jwks(), source=f"transcript {row.id}").to_json()
+        checked = bundle_entry(envelope, proof, checkpoint.note, fields)
+        report = verify_document(checked, keyring.jwks(), source=f"transcript {row.id}").to_json()
+        report["checks"] += [*_erased(content), _self_check(ledger)]
+        report["ok"] = all(c["ok"] for c in report["checks"])
+        doc["verification"] = report
     await record_access(session, principal, AccessAction.READ, row.id)
     return doc
+
+
+def _erased(content: TranscriptContent | None) -> list[dict[str, Any]]:
+    if content is not None:
+        return []  # its checks are the verifier's: prompt/output commitments, window chain, logprob digest
+    return [{"name": "content", "ok": True,
+             "detail": "the content (token ids, salt, text) was erased: envelope and log checks only"}]
+
+
+def _self_check(ledger: Ledger) -> dict[str, Any]:
+    """The log this transcript is in passed the server's own check (``auditor.logcheck``)."""
+    fault = ledger.fault
+    if fault is not None:
+        return {"name": "log_self_check", "ok": False,
+                "detail": f"the server's log failed its self-check: {fault.describe()}"}
+    if ledger.stats.integrity is not Integrity.OK:
+        return {"name": "log_self_check", "ok": False, "detail": "the server's log self-check has not finished"}
+    return {"name": "log_self_check", "ok": True, "detail": "the server's log passed its self-check"}
 
 
 def _signed_spans(envelope: dict[str, Any]) -> list[tuple[int, int]]:

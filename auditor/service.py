@@ -20,6 +20,7 @@ from auditor.canonical import timestamp
 from auditor.errors import ApiError, bad_request
 from auditor.ledger import Appended, Ledger, TranscriptDraft
 from auditor.logs import log_failure
+from auditor.logcheck import LogFault, LogIntegrityError
 from auditor.metrics import Metrics
 from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
 
@@ -93,11 +94,22 @@ class Prepared:
 class Recorded:
     transcript_id: str
     log_index: int
+    tree_size: int
+    """Size of the signed checkpoint committed with the transcript: it covers ``log_index`` and is
+    served (``GET /v1/log/checkpoint``) before the response leaves."""
     replayable: bool
     status: Status
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.transcript_id, "log_index": self.log_index, "replayable": self.replayable}
+        return {"id": self.transcript_id, "log_index": self.log_index, "tree_size": self.tree_size,
+                "replayable": self.replayable}
+
+
+def log_refused(fault: LogFault) -> ApiError:
+    """The 503 every append gets after the log failed its self-check (``auditor.logcheck``)."""
+    return ApiError(503, f"the transparency log failed its integrity check ({fault.check} at log index "
+                    f"{fault.first_bad_index}); no transcript is recorded and no checkpoint signed until an operator "
+                    "repairs it (GET /readyz says why)", code="log_integrity_failure")
 
 
 def engine_error(exc: ValueError) -> ApiError:
@@ -123,6 +135,9 @@ class CompletionService:
     # --- prepare ---------------------------------------------------------------------------------
 
     async def prepare(self, request: GenerationRequest, tenant: str, api_key_id: str) -> Prepared:
+        """Validate and tokenize; refused (503) before any generation when the log cannot take it."""
+        if self.ledger.fault is not None:
+            raise log_refused(self.ledger.fault)
         received_at = dt.datetime.now(dt.UTC)
         prompt_text, prompt_ids = await asyncio.to_thread(self._tokenize, request)
         if len(prompt_ids) > self.max_prompt_tokens:
@@ -192,13 +207,17 @@ class CompletionService:
     # --- record ---------------------------------------------------------------------------------
 
     async def record(self, prepared: Prepared, output: Any, status: Status) -> Recorded:
-        appended: Appended = await self.ledger.append(self._draft(prepared, output, status))
+        try:
+            appended: Appended = await self.ledger.append(self._draft(prepared, output, status))
+        except LogIntegrityError as exc:
+            raise log_refused(exc.fault) from None
         self.metrics.completion(prepared.request.api.value, prepared.params.deterministic, status.value,
                                 len(prepared.prompt_ids), len(output.token_ids))
         log.info("transcript recorded", extra={"event": "transcript", "transcript_id": appended.transcript_id,
                                                "tenant": prepared.tenant, "log_index": appended.log_index,
                                                "status": status.value, "completion_tokens": len(output.token_ids)})
-        return Recorded(appended.transcript_id, appended.log_index, prepared.params.deterministic, status)
+        return Recorded(appended.transcript_id, appended.log_index, appended.tree_size, prepared.params.deterministic,
+                        status)
 
     async def record_shielded(self, prepared: Prepared, output: Any, status: Status) -> Recorded:
         """``record`` in its own task: a client leaving while the transaction runs must not cancel

@@ -45,10 +45,15 @@ class Settings:
     max_body_bytes: int = _setting(1_048_576, "largest request body accepted, in bytes")
     max_prompt_tokens: int = _setting(4096, "longest prompt accepted, in tokens (413 beyond)")
     max_tokens_limit: int = _setting(4096, "largest max_tokens a request may ask for")
+    api_key_cache_seconds: float = _setting(
+        1.0, "seconds a valid API key is remembered without reading the database again; a key revoked by another "
+        "process (replica, CLI) is refused after at most this long, one revoked through this process at once")
     rate_limit_per_second: float = _setting(20.0, "requests per second per API key (token bucket rate)")
     rate_limit_burst: int = _setting(60, "token bucket size per API key")
     replay_max_queued: int = _setting(8, "replays one tenant may have queued or running at once (429 beyond)")
     log_level: str = _setting("INFO", "DEBUG / INFO / WARNING / ERROR")
+    log_check_interval_seconds: float = _setting(
+        600.0, "the log's full self-check runs at start and then this often, in seconds; 0: at start only")
     bootstrap_admin: bool = _setting(True, "on first start with no admin key, create one and print it once")
     keep_serving_on_load_error: bool = _setting(
         False, "when the model cannot be loaded, keep serving (/readyz answers 503 with the error) instead of "
@@ -78,6 +83,10 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.api_key_cache_seconds < 0:
+            raise ValueError(f"api_key_cache_seconds must be >= 0, got {self.api_key_cache_seconds}")
+        if self.log_check_interval_seconds < 0:
+            raise ValueError(f"log_check_interval_seconds must be >= 0, got {self.log_check_interval_seconds}")
         if self.replay_max_queued < 1:
             raise ValueError(f"replay_max_queued must be >= 1, got {self.replay_max_queued}")
         if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:

@@ -195,17 +195,20 @@ def build_statement(x: TranscriptInputs) -> dict[str, Any]:
 class SignedStatement:
     """A signed in-toto Statement. Store ``payload`` bytes exactly; ``envelope`` embeds them in base64.
 
-    The digests are derived from ``payload`` and ``envelope`` at construction."""
+    The digests, and the canonical bytes of ``envelope``, are derived at construction."""
 
     statement: dict[str, Any]
     payload: bytes
     envelope: dict[str, Any]
     payload_digest: str = field(init=False)
+    envelope_bytes: bytes = field(init=False, repr=False)
+    """``canonical_json(envelope)``: what is stored, and what ``envelope_digest`` hashes."""
     envelope_digest: str = field(init=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "payload_digest", cn.sha256_hex(self.payload))
-        object.__setattr__(self, "envelope_digest", cn.envelope_digest(self.envelope))
+        object.__setattr__(self, "envelope_bytes", cn.canonical_json(self.envelope))
+        object.__setattr__(self, "envelope_digest", cn.sha256_hex(self.envelope_bytes))
 
     @classmethod
     def sign(cls, statement: dict[str, Any], keyring: KeyRing, role: KeyRole, **ids: str) -> Self:

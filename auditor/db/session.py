@@ -22,9 +22,16 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def create_engine(url: str, *, schema: str | None = None) -> AsyncEngine:
-    """Build the async engine. ``schema`` sets the PostgreSQL search_path (tests use a fresh one)."""
-    kwargs: dict[str, Any] = {"pool_pre_ping": True, "hide_parameters": True}
+def create_engine(url: str, *, schema: str | None = None, connections: int | None = None) -> AsyncEngine:
+    """Build the async engine. ``schema`` sets the PostgreSQL search_path (tests use a fresh one).
+
+    ``connections``: a pool of exactly that many connections, without the ping at each checkout (the
+    ledger's writer: its own connection, so appends never queue behind reads for one; a connection
+    found dead fails that transaction, is discarded, and the retry gets a fresh one)."""
+    # A SQLite file cannot drop a connection: no ping (on aiosqlite each one is a hop to its thread).
+    kwargs: dict[str, Any] = {"pool_pre_ping": connections is None and not is_sqlite(url), "hide_parameters": True}
+    if connections is not None:
+        kwargs.update(pool_size=connections, max_overflow=0)
     quiet_drivers()
     if is_sqlite(url):
         database = make_url(url).database

@@ -28,6 +28,8 @@ class Services:
 
     settings: Settings
     db: AsyncEngine
+    ledger_db: AsyncEngine
+    """The ledger writer's own connection (``Ledger``: appends never wait for a pooled one)."""
     sessionmaker: async_sessionmaker[AsyncSession]
     keyring: KeyRing
     ledger: Ledger

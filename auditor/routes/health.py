@@ -7,6 +7,7 @@ from typing import Any
 from litestar import Response, get
 from sqlalchemy import text
 
+from auditor.ledger import Integrity
 from auditor.metrics import CONTENT_TYPE
 from auditor.routes.deps import Services
 
@@ -18,8 +19,16 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz")
 async def readyz(services: Services) -> Response[dict[str, Any]]:
-    checks = {"engine": services.completions is not None, "database": await _database_ok(services)}
-    body: dict[str, Any] = {"status": "ready" if all(checks.values()) else "not_ready", "checks": checks}
+    """200 when the engine is up, the database answers and the log passed its self-check; else 503
+    with ``checks`` and the reasons (``engine_error``; ``log``: the self-check state and, after a
+    mismatch, the failed check, the first bad index and what differs)."""
+    stats = services.ledger.stats
+    checks = {"engine": services.completions is not None, "database": await _database_ok(services),
+              "log": stats.integrity is Integrity.OK}
+    body: dict[str, Any] = {"status": "ready" if all(checks.values()) else "not_ready", "checks": checks,
+                            "log": {"integrity": stats.integrity.value, "tree_size": stats.tree_size}}
+    if stats.fault is not None:
+        body["log"]["fault"] = stats.fault.to_json()
     if services.engine_error:
         body["engine_error"] = services.engine_error
     return Response(body, status_code=200 if all(checks.values()) else 503)

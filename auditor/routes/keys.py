@@ -14,7 +14,7 @@ from auditor.auth import Principal, require_role
 from auditor.db.models import ApiKey, Role
 from auditor.errors import not_found
 from auditor.repository import utc
-from auditor.routes.deps import provide_db_session, provide_principal
+from auditor.routes.deps import Services, provide_db_session, provide_principal
 from auditor.routes.openapi import SECURITY
 from auditor.routes.validation import check_text, json_body
 
@@ -52,9 +52,11 @@ class KeysController(Controller):
         return {**key_json(row), "key": secret}
 
     @delete("/{key_id:str}", status_code=200)
-    async def revoke_key(self, key_id: str, db_session: AsyncSession, principal: Principal) -> dict[str, Any]:
+    async def revoke_key(self, key_id: str, services: Services, db_session: AsyncSession,
+                         principal: Principal) -> dict[str, Any]:
         require_role(principal, (Role.ADMIN,))
         row = await auth.revoke_key(db_session, key_id, principal.tenant)
         if row is None:
             raise not_found(f"key {key_id!r} not found")
+        services.authenticator.revoked(row.id)
         return key_json(row)

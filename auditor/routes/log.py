@@ -2,6 +2,11 @@
 
 No key needed: checkpoints and proofs disclose only hashes. Proofs default to the latest checkpoint's
 tree size, so a client can check them against the checkpoint it just fetched.
+
+No waiting for a checkpoint: a leaf is committed in the same transaction as the signed checkpoint that
+first covers it (appends are grouped, one checkpoint per group: docs/LEDGER.md), and a completion's
+response — its ``transcript`` object with ``log_index`` and ``tree_size`` — leaves only after that
+commit. Whoever holds a log index can fetch its proof at once.
 """
 
 from __future__ import annotations
@@ -52,13 +57,21 @@ class LogController(Controller):
         tree_size: int | None = Parameter(default=None, ge=1),
         envelope_digest: str | None = None,
     ) -> dict[str, Any]:
+        """Inclusion proof of leaf ``index`` (or of the leaf whose entry is ``envelope_digest``) in the
+        tree of ``tree_size`` leaves (default: the latest checkpoint's), with the leaf hash.
+
+        A completion response's ``transcript.tree_size`` is the size of the signed checkpoint committed
+        with it: ``?index=<log_index>&tree_size=<tree_size>`` answers as soon as the response has
+        arrived, and so does the default size (the latest checkpoint covers every committed leaf).
+        An index at or past that size is not in the log: 400."""
         if (index is None) == (envelope_digest is None):
             raise bad_request("give exactly one of index or envelope_digest", param="index")
         if index is None:
             index = await _index_of(db_session, envelope_digest or "")
         size = tree_size or (await services.ledger.checkpoint(db_session)).tree_size
         if index >= size:
-            raise bad_request(f"index {index} is not below tree_size {size}", param="index")
+            raise bad_request(f"index {index} is not below tree_size {size}: no signed checkpoint of that size "
+                              "covers it", param="index")
         try:
             proof = await services.ledger.inclusion_proof(db_session, index, size)
             leaf = await services.ledger.leaf_hash(db_session, index, size)

@@ -56,6 +56,12 @@ class TranscriptsController(Controller):
         verify: bool = False,
         witnessed: bool = False,
     ) -> dict[str, Any]:
+        """The transcript as a ``verify`` file: envelope, inclusion proof and the latest signed
+        checkpoint (which covers it as soon as the completion's response has arrived: no waiting), or
+        with ``witnessed=true`` the latest one a quorum of witnesses cosigned that covers it.
+        ``include_content``: token ids, salt, windows, logprobs and text. ``verify``: ``verification``,
+        every check the offline verifier runs, on the stored content too (token ids and salt against
+        the signed commitments) whether or not it is included, plus the log's own self-check."""
         at_size = None
         if witnessed:  # a checkpoint that covers the transcript (an unknown id is a 404 below)
             row = await repository.get_transcript(db_session, transcript_id)

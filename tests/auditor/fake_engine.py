@@ -10,11 +10,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import secrets
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from engine.sampling import SamplingParams
+
+LAST_OUTPUTS_KEPT = 1024
+"""Like the real engine, only the most recent outputs are kept for ``last_output`` / ``abort``."""
 
 VOCAB = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [" ", ".", ","]
 EOS_ID = len(VOCAB)
@@ -93,7 +97,7 @@ class FakeAsyncEngine:
         self.group = group
         self.step_delay = step_delay
         self.fail_after_commits = fail_after_commits
-        self._last: dict[str, RequestOutput] = {}
+        self._last: OrderedDict[str, RequestOutput] = OrderedDict()
         self._stats = EngineStats()
         self.started = False
 
@@ -132,6 +136,8 @@ class FakeAsyncEngine:
                             window_shape=(self.group, self.window),
                             top_logprobs=[] if params.logprobs is not None else None)
         self._last[request_id] = out
+        while len(self._last) > LAST_OUTPUTS_KEPT:
+            self._last.popitem(last=False)
         self._stats.running += 1
         self._stats.prompt_tokens += len(prompt_token_ids)
         try:

@@ -42,7 +42,8 @@ async def test_completion_response_carries_transcript_seed_fingerprint(fake_serv
     assert body["system_fingerprint"].startswith("fp_")
     assert body["choices"][0]["finish_reason"] in ("stop", "length")
     transcript = body["transcript"]
-    assert transcript == {"id": response.headers["Verbatim-Transcript-Id"], "log_index": 0, "replayable": True}
+    assert transcript == {"id": response.headers["Verbatim-Transcript-Id"], "log_index": 0, "tree_size": 1,
+                          "replayable": True}
     assert isinstance(body["seed"], int) and 0 <= body["seed"] < 2**64
 
 
@@ -264,11 +265,18 @@ async def _count_rows(settings_db: str) -> dict[str, int]:
                 for t in ("transcripts", "transcript_contents", "log_leaves", "log_checkpoints")}
 
 
-async def test_failure_between_writes_leaves_nothing(fake_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    async def fail_after_transcript_written(*_: Any) -> None:
-        raise RuntimeError("injected failure between the transcript and its log leaf")
+async def fail_after_transcript_rows(session: Any, rows: repository.LogRows, _checkpoint: Any) -> None:
+    """Stands in for ``repository.add_log_rows``: writes the transcript rows, then fails."""
+    from sqlalchemy import insert
 
-    monkeypatch.setattr(repository, "add_leaf", fail_after_transcript_written)
+    from auditor.db.models import Transcript
+
+    await session.execute(insert(Transcript), rows.transcripts)
+    raise RuntimeError("injected failure between the transcript and its log leaf")
+
+
+async def test_failure_between_writes_leaves_nothing(fake_server: LiveServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(repository, "add_log_rows", fail_after_transcript_rows)
     async with fake_server.client(fake_server.keys["client"]) as client:
         failed = await client.post("/v1/completions", json=completion())
         assert failed.status_code == 500 and failed.json()["error"]["type"] == "server_error"

@@ -64,10 +64,9 @@ async def test_concurrent_appends_on_postgres(fake_pg_server: LiveServer) -> Non
 
 async def test_failed_append_leaves_nothing_on_postgres(fake_pg_server: LiveServer,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    async def boom(*_: Any) -> None:
-        raise RuntimeError("injected failure after the transcript row")
+    from tests.auditor.test_api_fake import fail_after_transcript_rows
 
-    monkeypatch.setattr(repository, "add_checkpoint", boom)
+    monkeypatch.setattr(repository, "add_log_rows", fail_after_transcript_rows)
     async with fake_pg_server.client(fake_pg_server.keys["client"]) as client:
         assert (await client.post("/v1/completions", json={"model": "fake-model", "prompt": "x"})).status_code == 500
         counts = await _sql(fake_pg_server, "SELECT (SELECT count(*) FROM transcripts), (SELECT count(*) FROM "
