@@ -36,7 +36,8 @@ ENGINE_SETTINGS = ("model", "served_model_name", "device", "engine_options", "en
 SERVICE_SETTINGS = ("host", "port", "log_level", "keep_serving_on_load_error", "deterministic_default",
                     "max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "rate_limit_per_second",
                     "rate_limit_burst", "replay_max_queued", "bootstrap_admin", "redis_url", "key_reload_interval",
-                    "witnesses", "witness_quorum", "witness_interval", "witness_timeout")
+                    "witnesses", "witness_quorum", "witness_interval", "witness_timeout", "api_key_cache_seconds",
+                    "log_check_interval_seconds")
 _DEST = "setting_"
 
 

@@ -70,7 +70,8 @@ def test_every_setting_is_a_serve_flag() -> None:
               "engine_options": '{"group": 4}', "engine_factory": "tests.auditor.fake_engine:from_settings",
               "redis_url": "redis://127.0.0.1:6379/0", "key_reload_interval": "2.5",
               "witnesses": '[{"url": "http://127.0.0.1:8090", "vkey": "%s"}]' % VKEY, "witness_quorum": "1",
-              "witness_interval": "0.5", "witness_timeout": "3"}
+              "witness_interval": "0.5", "witness_timeout": "3", "api_key_cache_seconds": "0.5",
+              "log_check_interval_seconds": "60"}
     argv = ["serve", "--no-deterministic-default", "--no-bootstrap-admin", "--keep-serving-on-load-error"]
     for name, value in values.items():
         argv += ["--" + name.replace("_", "-"), value]
@@ -83,7 +84,7 @@ def test_every_setting_is_a_serve_flag() -> None:
                         engine_options={"group": 4}, engine_factory="tests.auditor.fake_engine:from_settings",
                         redis_url="redis://127.0.0.1:6379/0", key_reload_interval=2.5,
                         witnesses=(("http://127.0.0.1:8090", VKEY),), witness_quorum=1, witness_interval=0.5,
-                        witness_timeout=3.0)
+                        witness_timeout=3.0, api_key_cache_seconds=0.5, log_check_interval_seconds=60.0)
     assert settings == expected
     assert {f.name for f in dataclasses.fields(Settings)} == {*values, "deterministic_default", "bootstrap_admin",
                                                               "keep_serving_on_load_error"}
