@@ -169,17 +169,23 @@ def _try_signature(sig: NoteSignature, keys: list[VerifierKey], text: str) -> bo
     return f"signature by {sig.key_name!r} (kid {match[0].kid}) does not verify"
 
 
-def parse_verifier_key(vkey: str) -> tuple[str, bytes]:
-    """``(key name, Ed25519 public key)`` of a signed-note verifier key ``<name>+<hex id>+base64(0x01 ‖ key)``
-    (the form ``verifier_key_string`` writes); the key id must match."""
+def split_verifier_key(vkey: str) -> tuple[str, str, bytes]:
+    """``(name, hex key id, decoded key blob)`` of a signed-note verifier key ``<name>+<hex id>+<base64>``: the
+    shape shared by checkpoint keys (type 0x01) and witness cosigner keys (type 0x04)."""
     parts = vkey.strip().split("+", 2)  # base64 may hold '+'; the name may not
     if len(parts) != 3:
         raise CheckpointError(f"verifier key {vkey!r:.80} is not <name>+<hex key id>+<base64 key>")
     name, hex_id, encoded = parts
     try:
-        blob = base64.b64decode(encoded, validate=True)
+        return name, hex_id, base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise CheckpointError(f"verifier key {vkey!r:.80}: {exc}") from None
+
+
+def parse_verifier_key(vkey: str) -> tuple[str, bytes]:
+    """``(key name, Ed25519 public key)`` of a signed-note verifier key ``<name>+<hex id>+base64(0x01 ‖ key)``
+    (the form ``verifier_key_string`` writes); the key id must match."""
+    name, hex_id, blob = split_verifier_key(vkey)
     if blob[:1] != ED25519_ALG or len(blob) != 33:
         raise CheckpointError(f"verifier key {vkey!r:.80} is not an Ed25519 (type 01) key")
     if note_key_hash(name, blob[1:]).hex() != hex_id.lower():

@@ -21,7 +21,6 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import os
 import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -31,8 +30,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from auditor.checkpoint import SIG_PREFIX, CheckpointError, split_note
-from auditor.crypto import raw_public_bytes
+from auditor.checkpoint import SIG_PREFIX, CheckpointError, split_note, split_verifier_key
+from auditor.crypto import KeyFileError, raw_public_bytes, read_private_key, write_private_pem
 
 COSIGNATURE_ALG = b"\x04"
 HEADER = "cosignature/v1\n"
@@ -81,14 +80,10 @@ class CosignerKey:
     @classmethod
     def parse(cls, vkey: str) -> CosignerKey:
         """Parse ``name+hexid+base64(0x04 ‖ key)``; the key id must match the name and key."""
-        parts = vkey.strip().split("+", 2)  # base64 may hold '+'; the name may not
-        if len(parts) != 3:
-            raise CosignatureError(f"cosigner vkey {vkey!r:.80} is not <name>+<hex key id>+<base64 key>")
-        name, hex_id, encoded = parts
         try:
-            blob = base64.b64decode(encoded, validate=True)
+            name, hex_id, blob = split_verifier_key(vkey)
             key_id = bytes.fromhex(hex_id)
-        except (binascii.Error, ValueError) as exc:
+        except (CheckpointError, ValueError) as exc:
             raise CosignatureError(f"cosigner vkey {vkey!r:.80}: {exc}") from None
         if blob[:1] != COSIGNATURE_ALG:
             raise CosignatureError(f"cosigner vkey {vkey!r:.80} has signature type {blob[:1].hex() or 'none'}, "
@@ -124,19 +119,12 @@ class Cosigner:
             private = Ed25519PrivateKey.generate()
             pem = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                         serialization.NoEncryption())
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            try:
-                os.write(fd, pem)
-            finally:
-                os.close(fd)
+            write_private_pem(path, pem)
             return cls(private, name)
-        mode = path.stat().st_mode & 0o777
-        if mode & 0o077:
-            raise CosignatureError(f"{path} has mode {mode:o}; the witness key must be 0600")
-        private = serialization.load_pem_private_key(path.read_bytes(), password=None)
-        if not isinstance(private, Ed25519PrivateKey):
-            raise CosignatureError(f"{path} is not an Ed25519 private key")
-        return cls(private, name)
+        try:
+            return cls(read_private_key(path), name)
+        except KeyFileError as exc:
+            raise CosignatureError(f"witness key: {exc}") from None
 
     def cosign(self, note_text: str, timestamp: int) -> str:
         """One cosignature line (newline-terminated) over the checkpoint ``note_text``."""

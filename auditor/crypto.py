@@ -167,25 +167,35 @@ class Signer:
         raise TypeError("Signer holds a private key and cannot be pickled")
 
 
-def save_private_key(path: Path, signer: Signer) -> None:
-    """Write ``signer``'s PEM to a new file created with mode 0600 (refuses to overwrite)."""
+def write_private_pem(path: Path, pem: bytes) -> None:
+    """Write a private key's PEM to a new file created with mode 0600 (refuses to overwrite)."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
-        os.write(fd, signer.private_pem())
+        os.write(fd, pem)
     finally:
         os.close(fd)
 
 
-def load_private_key(path: Path, role: KeyRole) -> Signer:
-    """Read a PEM private key; refuses files readable by group or others."""
+def read_private_key(path: Path) -> Ed25519PrivateKey:
+    """Read a PEM Ed25519 private key; refuses files readable by group or others."""
     mode = path.stat().st_mode & 0o777
     if mode & 0o077:
         raise KeyFileError(f"{path} has mode {mode:o}; private keys must be 0600")
     key = serialization.load_pem_private_key(path.read_bytes(), password=None)
     if not isinstance(key, Ed25519PrivateKey):
         raise KeyFileError(f"{path} is not an Ed25519 private key")
-    return Signer(key, role)
+    return key
+
+
+def save_private_key(path: Path, signer: Signer) -> None:
+    """Write ``signer``'s PEM to a new file created with mode 0600 (refuses to overwrite)."""
+    write_private_pem(path, signer.private_pem())
+
+
+def load_private_key(path: Path, role: KeyRole) -> Signer:
+    """Read a PEM private key; refuses files readable by group or others."""
+    return Signer(read_private_key(path), role)
 
 
 def jwks_document(keys: Iterable[VerifierKey]) -> dict[str, Any]:

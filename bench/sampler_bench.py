@@ -9,6 +9,8 @@
    budgets), REQUESTS prompts x TOKENS output tokens (ignore_eos), warm, per preset and mode
    (nondeterministic, dvr with every request deterministic): output tokens per second, and each preset's ratio
    to plain temperature sampling.
+3. Detok: the host's text work per engine step for KERNEL_ROWS requests of TOKENS ids, through
+   `tokenizer.decode` and through `engine.detokenize.Detokenizer`.
 Writes DIR/sampler-bench.json (with the command, device and date).
 """
 from __future__ import annotations
@@ -25,13 +27,10 @@ from typing import Any
 
 import torch
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "temperature": {"temperature": 0.8},
-    "top_p": {"temperature": 0.8, "top_p": 0.95},
-    "top_k": {"temperature": 0.8, "top_k": 50},
-    "min_p": {"temperature": 0.8, "min_p": 0.05},
-    "logprobs": {"temperature": 0.8, "logprobs": 5},
-}
+from engine.bench_gpu import SAMPLING_PRESETS  # the mode comparison's presets; top logprobs added below
+
+PRESETS: dict[str, dict[str, Any]] = {**{k: v for k, v in SAMPLING_PRESETS.items() if k != "greedy"},
+                                      "logprobs": {"temperature": 0.8, "logprobs": 5}}
 MIXED = [{"temperature": 0.0}, {"temperature": 0.8}, {"temperature": 0.8, "top_p": 0.95},
          {"temperature": 1.0, "top_k": 50}, {"temperature": 0.7, "min_p": 0.05},
          {"temperature": 0.9, "top_p": 0.9, "top_k": 40}, {"temperature": 0.8, "logprobs": 3}]
@@ -107,6 +106,36 @@ def engine_section(gguf: str, device: str, n_req: int, n_tok: int) -> dict[str, 
     return result
 
 
+def detok_section(gguf: str, rows: int, tokens: int, repeats: int) -> dict[str, Any]:
+    """The host's text work per engine step: every running request's committed ids decoded, through
+    `tokenizer.decode` and through `engine.detokenize.Detokenizer` (median ms for `rows` requests)."""
+    import random
+
+    from engine.detokenize import Detokenizer
+    from engine.loader import load_model_source
+
+    tok = load_model_source(gguf, torch.float32, None).tokenizer
+    detok = Detokenizer(tok)
+    rng = random.Random(0)
+    seqs = [[rng.randrange(len(tok)) for _ in range(tokens)] for _ in range(rows)]
+
+    def median_ms(decode: Any) -> float:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for ids in seqs:
+                decode(ids)
+            times.append(time.perf_counter() - t0)
+        return 1e3 * statistics.median(times)
+
+    out = {"rows": rows, "tokens": tokens, "byte_table": detok.uses_table,
+           "tokenizer_decode_ms": median_ms(lambda ids: tok.decode(ids, skip_special_tokens=True)),
+           "detokenizer_ms": median_ms(detok)}
+    print(f"detok {rows} x {tokens}: tokenizer {out['tokenizer_decode_ms']:.1f} ms, "
+          f"byte table {out['detokenizer_ms']:.1f} ms", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True)
@@ -116,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--kernel-rows", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--sections", default="kernel,engine")
+    p.add_argument("--sections", default="kernel,engine,detok",
+                   help="comma list of kernel, engine, detok (the host's per-step text work; runs on the CPU too)")
     a = p.parse_args(argv)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict[str, Any] = {
@@ -127,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
     sections = a.sections.split(",")
     if "kernel" in sections:
         result["kernel"] = kernel_section(a.device, a.kernel_rows, a.repeats)
+    if "detok" in sections:
+        result["detok"] = detok_section(a.gguf, a.kernel_rows, a.tokens, a.repeats)
     if "engine" in sections:
         result["engine"] = engine_section(a.gguf, a.device, a.requests, a.tokens)
     out = Path(a.out)

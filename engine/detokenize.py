@@ -45,9 +45,12 @@ class Detokenizer:
 
     def __call__(self, ids: list[int]) -> str:
         table = self._table
-        if table is None or any(not 0 <= i < len(table) for i in ids):
-            return self._tokenizer.decode(ids, skip_special_tokens=True)
-        return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+        if table is not None:
+            try:  # ids are >= 0 (sampled or validated); one past the table is left to the tokenizer
+                return b"".join([table[i] for i in ids]).decode("utf-8", "replace")
+            except IndexError:
+                pass
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _byte_table(tokenizer: Any) -> list[bytes] | None:

@@ -280,7 +280,8 @@ def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, 
     if logits.is_cuda:
         staged = staged.pin_memory().to(logits.device, non_blocking=True)
     nmax = max(top_n, default=0)
-    token, logprob, _, top_ids, top_lps = sample_packed(logits, staged, nmax)
+    filtered = any(_filtered(p) for p, _, _ in specs)
+    token, logprob, _, top_ids, top_lps = sample_packed(logits, staged, nmax, filtered)
     top = (top_ids, top_lps) if nmax else None
     return PendingSamples(token, logprob, top=top, top_n=top_n if nmax else None)
 

@@ -82,10 +82,12 @@ def _kernels() -> tuple[ModuleType, ModuleType]:
     return triton, k
 
 
-def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0
+def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, filtered: bool = True
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Sample the rows described by `params` (Int64[PARAM_ROWS, R] from `pack_params`, on the logits' device)
     of `logits` [N, vocab] (any float dtype; read as float32). top_n: the largest P_TOP_N of the rows (0: none).
+    filtered: some row asks for top-k / top-p / min-p (False skips the filter launch; the filter kernel leaves
+    every other row as it is, so a row's result does not depend on it).
 
     Returns (token Int64[R], logprob Float32[R], lse Float64[R], top ids Int64[R, top_n] | None,
     top logprobs Float32[R, top_n] | None) on the logits' device, without waiting for them.
@@ -114,9 +116,9 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0
                                     NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK, num_warps=NUM_WARPS)
     k.merge_kernel[(n,)](logits, logits.stride(0), row_ids, best, arg, m, s, token, logprob, lse, xmax,
                          NUM_SPLITS=num_splits, num_warps=1)
-    # the filtered rows' tokens and logprobs replace the unfiltered ones in place
-    k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, vocab,
-                          VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
+    if filtered:  # the filtered rows' tokens and logprobs replace the unfiltered ones in place
+        k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, vocab,
+                              VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
     if top_n:
         k.top_logprobs_kernel[(n,)](logits, logits.stride(0), params, n, lse, top_ids, top_lps, vocab,
                                     NMAX=top_n, VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
