@@ -4,7 +4,7 @@ No key needed: checkpoints and proofs disclose only hashes. Proofs default to th
 tree size, so a client can check them against the checkpoint it just fetched.
 
 No waiting for a checkpoint: a leaf is committed in the same transaction as the signed checkpoint that
-first covers it (appends are grouped, one checkpoint per group: docs/LEDGER.md), and a completion's
+first covers it (appends are grouped, one checkpoint per group: docs/ledger.md), and a completion's
 response — its ``transcript`` object with ``log_index`` and ``tree_size`` — leaves only after that
 commit. Whoever holds a log index can fetch its proof at once.
 """
