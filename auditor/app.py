@@ -10,7 +10,6 @@ and exits non-zero, unless told to keep serving).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from auditor.auth import Authenticator
 from auditor.crypto import KeyRing
 from auditor.db.session import create_engine, create_sessionmaker
+from auditor.engine_seam import EngineLoader, ServingEngine, load_engine
 from auditor.errors import exception_handlers
 from auditor.ledger import Ledger
 from auditor.logs import log_failure
@@ -42,21 +42,7 @@ from auditor.witnessing import WitnessPool
 
 log = logging.getLogger("auditor.http")
 
-EngineLoader = Callable[[Settings], Any]
 EngineErrorHook = Callable[[str], None]
-
-
-def load_engine(settings: Settings) -> Any:
-    """Build the real engine (blocking: resolves, loads and fingerprints the model), or the one
-    ``settings.engine_factory`` (``module:callable``) builds from the settings."""
-    if settings.engine_factory:
-        module, _, name = settings.engine_factory.partition(":")
-        return getattr(importlib.import_module(module), name)(settings)
-    from engine import AsyncEngine
-    from engine.cli import engine_config
-
-    options = {**settings.engine_options, "model": settings.model, "device": settings.device}
-    return AsyncEngine(engine_config(options))
 
 
 def build_services(settings: Settings) -> Services:
@@ -101,13 +87,13 @@ async def _reload_keys(services: Services) -> None:
             log_failure(log, "reloading the signing keys failed", exc)
 
 
-def attach_engine(services: Services, engine: Any) -> None:
+def attach_engine(services: Services, engine: ServingEngine) -> None:
     settings = services.settings
     services.engine = engine
     name = settings.served_model_name or str(engine.model_info.name)
     services.completions = CompletionService(engine, services.ledger, services.metrics, model_name=name,
                                              max_prompt_tokens=settings.max_prompt_tokens,
-                                             max_tokens_limit=settings.max_tokens_limit)
+                                             max_tokens_limit=settings.max_tokens_limit, max_n=settings.max_n)
     services.engine_loaded.set()
 
 
@@ -129,7 +115,7 @@ async def _load_and_start(services: Services, loader: EngineLoader, on_error: En
 def create_app(
     settings: Settings,
     *,
-    engine: Any | None = None,
+    engine: ServingEngine | None = None,
     engine_loader: EngineLoader = load_engine,
     routes: Sequence[Any] = (),
     on_engine_error: EngineErrorHook | None = None,

@@ -1,111 +1,35 @@
 """The ``verbatim`` command (also ``python -m auditor``): serve | generate | keys | signing-keys | replay |
-verify | export | verify-bundle | retention | purge | witness | monitor | migrate | bench.
+verify | export | verify-bundle | retention | purge | witness | monitor | migrate.
 
 Every setting of ``auditor.settings.Settings`` is a flag (``--model``, ``--device``, ``--served-model-name``,
 ``--data-dir``, ...) on the subcommands it concerns, defaulting to its ``VERBATIM_*`` variable, then to the
-field's default; the environment is read once, here. ``generate`` and ``bench`` are the engine's own
-subcommands (``engine.cli``), mounted unchanged. docs/cli.md is the reference.
+field's default; the environment is read once, here. ``generate`` is the engine's own
+subcommand (``engine.cli``), mounted unchanged. docs/cli.md is the reference.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
-import os
 import sys
-import urllib.request
-from collections.abc import Callable, Iterable, Sequence
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from auditor import auth, repository
+from auditor import auth, monitor, replay_cli, repository
+from auditor.cli_settings import (ENGINE_SETTINGS, SERVICE_SETTINGS, STORAGE_SETTINGS, load_jwks, prepare_storage,
+                                  settings_from, setting_flags, storage_flags, witness_flags, witness_keys_from)
 from auditor.db import migrate
 from auditor.db.models import Role
 from auditor.db.session import create_engine, create_sessionmaker
-from auditor.settings import ENV_PREFIX, Settings, _witness_list
+from auditor.reports.cli import COMMANDS as REPORT_COMMANDS
+from auditor.settings import Settings
+from auditor.witness import cli as witness_cli
+from engine.cli import COMMANDS as ENGINE_COMMANDS
 
 BOOTSTRAP_TENANT = "default"
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
-
-
-STORAGE_SETTINGS = ("data_dir", "database_url", "database_schema", "log_origin")
-ENGINE_SETTINGS = ("model", "served_model_name", "device", "engine_options", "engine_factory")
-SERVICE_SETTINGS = ("host", "port", "log_level", "keep_serving_on_load_error", "deterministic_default",
-                    "max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "rate_limit_per_second",
-                    "rate_limit_burst", "replay_max_queued", "bootstrap_admin", "redis_url", "key_reload_interval",
-                    "witnesses", "witness_quorum", "witness_interval", "witness_timeout", "api_key_cache_seconds",
-                    "log_check_interval_seconds")
-_DEST = "setting_"
-
-
-def setting_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
-    """``--field-name`` for each named Settings field; left out, the field keeps ``VERBATIM_FIELD_NAME`` or
-    its default (``settings_from``). The dest is ``setting_<name>``, so a subcommand's own flag of the same
-    name (``export --model``, a filter; ``verify --witness-quorum``) stays apart."""
-    from engine.cli import json_object
-
-    fields = {f.name: f for f in dataclasses.fields(Settings)}
-    defaults = Settings()
-    parsers = {"engine_options": json_object, "witnesses": _witnesses_flag}
-    group = parser.add_argument_group("settings (each defaults to its VERBATIM_* variable, then to the default shown)")
-    for name in names:
-        default = getattr(defaults, name)
-        text = f"{fields[name].metadata['help']} (env {ENV_PREFIX}{name.upper()}; default {_shown(default)})"
-        flag, dest, text = "--" + name.replace("_", "-"), _DEST + name, text.replace("%", "%%")
-        if isinstance(default, bool):
-            group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=text)
-        else:
-            kind = parsers.get(name) or {int: int, float: float}.get(type(default), str)
-            group.add_argument(flag, dest=dest, type=kind, metavar=name.upper(), help=text)
-
-
-def _shown(default: Any) -> str:
-    if default is None or default == {} or default == ():
-        return "none"
-    return repr(str(default) if isinstance(default, Path) else default)
-
-
-def _witnesses_flag(raw: str) -> tuple[tuple[str, str], ...]:
-    try:
-        return _witness_list(raw)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def storage_flags(parser: argparse.ArgumentParser) -> None:
-    setting_flags(parser, STORAGE_SETTINGS)
-
-
-def _witness_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--witness", action="append", default=[], metavar="VKEY",
-                        help="a witness cosigner vkey (C2SP tlog-cosignature); repeatable. Default: the witnesses "
-                        "of VERBATIM_WITNESSES. With any, the checkpoint must carry their cosignatures")
-    parser.add_argument("--witness-quorum", type=int, metavar="N",
-                        help="cosignatures required (default: every witness given)")
-
-
-def witness_keys_from(args: argparse.Namespace, settings: Settings) -> tuple[list[Any], int]:
-    """``(cosigner keys, quorum)`` from ``--witness``/``--witness-quorum``, else from the settings."""
-    from auditor.cosignature import CosignerKey
-
-    if args.witness:
-        keys = [CosignerKey.parse(v) for v in args.witness]
-    else:
-        keys = [key for _, key in settings.witness_keys()]
-    quorum = args.witness_quorum if args.witness_quorum is not None else (
-        settings.required_cosignatures if not args.witness else len(keys))
-    if keys and not 1 <= quorum <= len(keys):
-        raise ValueError(f"--witness-quorum must be in 1..{len(keys)}, got {quorum}")
-    return keys, quorum
-
-
-def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -> Settings:
-    """Settings from the flags this subcommand has, over ``VERBATIM_*`` in ``env`` (default os.environ)."""
-    overrides = {f.name: getattr(args, _DEST + f.name, None) for f in dataclasses.fields(Settings)}
-    return Settings.from_env(os.environ if env is None else env, **overrides)
 
 
 # --- serve -----------------------------------------------------------------------------------------
@@ -114,15 +38,6 @@ def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -
 def _serve_parser(parser: argparse.ArgumentParser) -> None:
     setting_flags(parser, (*ENGINE_SETTINGS, *SERVICE_SETTINGS, *STORAGE_SETTINGS))
     parser.set_defaults(run=serve)
-
-
-def prepare_storage(settings: Settings) -> None:
-    """Create the data directory, migrate the database to head, create missing signing keys."""
-    from auditor.crypto import KeyRing
-
-    settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    migrate.upgrade(settings.resolved_database_url, schema=settings.database_schema)
-    KeyRing.open(settings.keys_dir)
 
 
 async def bootstrap_admin(settings: Settings) -> str | None:
@@ -256,27 +171,9 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", help="transcript document (GET /v1/transcripts/{id}) or bundle entry")
     parser.add_argument("--jwks", help="JWKS file or http(s) URL (default: this server's keys in the data dir)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    _witness_flags(parser)
+    witness_flags(parser)
     storage_flags(parser)
     parser.set_defaults(run=verify)
-
-
-def read_jwks(source: str) -> dict[str, Any]:
-    """A JWKS document from a file path or an http(s) URL."""
-    if source.startswith(("http://", "https://")):
-        with urllib.request.urlopen(source, timeout=30) as response:  # noqa: S310 - explicit user URL
-            return json.loads(response.read())
-    return json.loads(Path(source).read_text())
-
-
-def load_jwks(source: str | None, settings: Settings) -> dict[str, Any]:
-    if source:
-        return read_jwks(source)
-    if not (settings.keys_dir / "manifest.json").exists():
-        raise FileNotFoundError(f"no --jwks given and no key ring at {settings.keys_dir}")
-    from auditor.crypto import KeyRing
-
-    return KeyRing.open(settings.keys_dir).jwks()
 
 
 def verify(args: argparse.Namespace) -> int:
@@ -360,13 +257,8 @@ SUBCOMMANDS: list[Command] = [
 
 def plugin_commands() -> list[Command]:
     """Subcommands other parts contribute: replay; reports (export, verify-bundle, retention, purge);
-    witness; monitor; the engine's generate and bench."""
-    from auditor import monitor, replay_cli
-    from auditor.reports.cli import COMMANDS
-    from auditor.witness import cli as witness_cli
-    from engine.cli import COMMANDS as ENGINE_COMMANDS
-
-    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *COMMANDS,
+    witness; monitor; the engine's generate."""
+    return [("replay", "replay a transcript and print the verdict", replay_cli.configure), *REPORT_COMMANDS,
             ("witness", "run a C2SP tlog-witness that cosigns consistent checkpoints", witness_cli.configure),
             ("monitor", "follow a log's checkpoints and fail loudly on any inconsistency", monitor.configure),
             *ENGINE_COMMANDS]
@@ -383,11 +275,7 @@ def build_parser(prog: str = "verbatim") -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None, prog: str = "verbatim") -> int:
     """The ``verbatim`` console script. Exit status 2 for a bad setting (the message names it)."""
-    from engine.cli import cuda_bench, wants_cuda_bench
-
     argv = list(sys.argv[1:] if argv is None else argv)
-    if wants_cuda_bench(argv):  # the GPU benchmarks parse their own flags
-        return cuda_bench(argv)
     args = build_parser(prog).parse_args(argv)
     try:
         return int(args.run(args) or 0)

@@ -11,12 +11,15 @@ names the first bad log index.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from auditor.engine_seam import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -36,7 +39,7 @@ _ENGINE_GAUGES = {"running": "Requests running in the engine", "waiting": "Reque
 
 
 class _EngineCollector(Collector):
-    def __init__(self, stats: Callable[[], Any]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
         self._stats = stats
 
     def describe(self) -> list[Any]:
@@ -46,18 +49,14 @@ class _EngineCollector(Collector):
         stats = self._stats()
         if stats is None:
             return
+        values = dataclasses.asdict(stats)
         for name, doc in _ENGINE_COUNTERS.items():
-            value = getattr(stats, name, None)
-            if value is not None:
-                yield CounterMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
-        passes, seconds = getattr(stats, "verify_passes", 0), getattr(stats, "verify_seconds", None)
-        if seconds is not None:
-            yield GaugeMetricFamily("verbatim_engine_verify_pass_mean_seconds", "Mean verify-pass latency",
-                                    value=float(seconds) / passes if passes else 0.0)
+            yield CounterMetricFamily(f"verbatim_engine_{name}", doc, value=float(values[name]))
+        passes = stats.verify_passes
+        yield GaugeMetricFamily("verbatim_engine_verify_pass_mean_seconds", "Mean verify-pass latency",
+                                value=stats.verify_seconds / passes if passes else 0.0)
         for name, doc in _ENGINE_GAUGES.items():
-            value = getattr(stats, name, None)
-            if value is not None:
-                yield GaugeMetricFamily(f"verbatim_engine_{name}", doc, value=float(value))
+            yield GaugeMetricFamily(f"verbatim_engine_{name}", doc, value=float(values[name]))
 
 
 class _LogCollector(Collector):
@@ -69,10 +68,10 @@ class _LogCollector(Collector):
 
     def collect(self) -> Iterator[Any]:
         stats = self._stats()
-        for name, doc in (("appends", "Transcripts recorded in the log"), ("leaves", "Log leaves appended"),
-                          ("append_batches", "Append transactions committed (one checkpoint each)"),
-                          ("checkpoints", "Checkpoints signed")):
-            value = stats.batches if name == "append_batches" else getattr(stats, name)
+        for name, doc, value in (("appends", "Transcripts recorded in the log", stats.appends),
+                                 ("leaves", "Log leaves appended", stats.leaves),
+                                 ("append_batches", "Append transactions committed (one checkpoint each)", stats.batches),
+                                 ("checkpoints", "Checkpoints signed", stats.checkpoints)):
             yield CounterMetricFamily(f"verbatim_log_{name}", doc, value=float(value))
         yield GaugeMetricFamily("verbatim_log_tree_size", "Leaves in the log", value=float(stats.tree_size))
         checks = CounterMetricFamily("verbatim_log_integrity_checks", "Full log self-checks by result",
@@ -92,7 +91,7 @@ class _LogCollector(Collector):
 
 
 class Metrics:
-    def __init__(self, engine_stats: Callable[[], Any], log_stats: Callable[[], Any] | None = None) -> None:
+    def __init__(self, engine_stats: Callable[[], EngineStats | None], log_stats: Callable[[], Any] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter("verbatim_http_requests", "HTTP requests by route and status",
                                 ["method", "route", "status"], registry=self.registry)

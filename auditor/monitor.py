@@ -31,6 +31,7 @@ from typing import Any
 import httpx
 
 from auditor.checkpoint import Checkpoint, CheckpointError, verify_checkpoint
+from auditor.cli_settings import read_jwks, settings_from, witness_flags, witness_keys_from
 from auditor.cosignature import CosignatureError, CosignerKey, check_quorum
 from auditor.merkle import ConsistencyProof, ProofError, verify_consistency
 
@@ -150,8 +151,6 @@ def _save_state(path: Path, obj: Mapping[str, Any]) -> None:
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    from auditor.cli import _witness_flags
-
     parser.add_argument("url", help="the log's base URL (http://host:8000)")
     parser.add_argument("--jwks", required=True, help="the log's JWKS to pin (file, or http(s) URL read once)")
     parser.add_argument("--state", type=Path, required=True, help="JSON file keeping the last accepted checkpoint")
@@ -159,13 +158,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--interval", type=float, default=10.0, help="seconds between polls (default 10)")
     parser.add_argument("--once", action="store_true", help="poll once and exit")
     parser.add_argument("--iterations", type=int, help="poll this many times, then exit")
-    _witness_flags(parser)
+    witness_flags(parser)
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from auditor.cli import read_jwks, settings_from, witness_keys_from
-
     try:
         jwks = read_jwks(args.jwks)
         witnesses, quorum = witness_keys_from(args, settings_from(args))

@@ -23,7 +23,9 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
 - ``inconclusive_environment``: the runtime fingerprint differs from the recorded one (bit-exactness
   is promised on the same hardware and software). The replay still runs and its outcome is in the
   details; only a different verify shape (G, W) cannot run, because the recorded passes cannot be
-  re-executed with another shape (``executed: false``).
+  re-executed with another shape, nor a different tensor-parallel size or all-reduce
+  (``tensor_parallel_size``, ``tp_reduction``; absent: one rank), because every GEMM's shape per rank and
+  the order of the partial sums are part of the numerics (``executed: false``).
 
 Several server processes (replicas) may share one database: a worker claims queued jobs with
 ``SELECT … FOR UPDATE SKIP LOCKED`` and holds a lease on them (``claimed_by``, ``lease_expires_at``),
@@ -42,7 +44,7 @@ import logging
 import os
 import secrets
 import socket
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +58,7 @@ from auditor import repository
 from auditor.attestation import ReplayAttestationInputs, ReplayVerdict, SignedAttestation, sign_replay_attestation
 from auditor.auth import Principal
 from auditor.db.models import AccessAction, LeafKind, ReplayJob, ReplayStatus, Role
+from auditor.engine_seam import ReplayProgress, ServingEngine
 from auditor.errors import ApiError, not_found
 from auditor.logs import log_failure
 from auditor.queries import record_access
@@ -68,9 +71,6 @@ if TYPE_CHECKING:
     from auditor.routes.deps import Services
 
 log = logging.getLogger("auditor.replay")
-
-ReplayProgress = Callable[[int, int], None]
-"""(tokens replayed, tokens in the whole batch), as ``engine.AsyncEngine.replay`` reports them."""
 
 DEFAULT_MAX_QUEUED = 8
 """Per-tenant limit on replays queued or running at once (429 beyond)."""
@@ -176,18 +176,9 @@ def check_model(record: Record, model_info: Any) -> None:
 # --- environment and verdict ----------------------------------------------------------------------
 
 
-def engine_shape(engine: Any) -> tuple[int, int]:
+def engine_shape(engine: ServingEngine) -> tuple[int, int]:
     """(G, W) of the engine's verify passes."""
-    config = getattr(engine, "config", None)
-    if config is not None:
-        return int(config.group), int(config.window)
-    if hasattr(engine, "group") and hasattr(engine, "window"):
-        return int(engine.group), int(engine.window)
-    fingerprint = engine.runtime_fingerprint()
-    for g, w in (("G", "W"), ("group", "window")):
-        if g in fingerprint and w in fingerprint:
-            return int(fingerprint[g]), int(fingerprint[w])
-    raise RuntimeError(f"cannot tell the engine's verify shape (G, W) from {sorted(fingerprint)}")
+    return engine.config.group, engine.config.window
 
 
 def environment_differences(recorded: Mapping[str, Any], current: Mapping[str, Any],
@@ -269,6 +260,28 @@ def not_executed(differences: Mapping[str, Any], recorded: tuple[int, int], curr
         "executed": False, "differences": dict(differences),
         "reason": f"the transcript's verify passes have shape (G, W) = {recorded}; this engine runs {current}, "
                   "so the recorded passes cannot be re-executed"})
+
+
+PARALLEL_FIELDS = {"tensor_parallel_size": 1, "tp_reduction": None}
+"""Runtime fingerprint fields of tensor parallelism, with their value when absent (one rank)."""
+
+
+def parallel_layout(runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """The fingerprint's tensor-parallel fields (size, reduction), one rank when it names none."""
+    return {k: runtime.get(k, default) for k, default in PARALLEL_FIELDS.items()}
+
+
+def not_executed_parallel(differences: Mapping[str, Any], recorded: Mapping[str, Any],
+                          current: Mapping[str, Any]) -> Outcome:
+    def named(layout: Mapping[str, Any]) -> str:
+        reduction = f", reduction {layout['tp_reduction']}" if layout["tp_reduction"] else ""
+        return f"tensor_parallel_size {layout['tensor_parallel_size']}{reduction}"
+
+    return Outcome(ReplayVerdict.INCONCLUSIVE_ENVIRONMENT, {
+        "executed": False, "differences": dict(differences),
+        "reason": f"the transcript was generated at {named(recorded)}; this engine runs {named(current)}: the "
+                  "per-rank GEMM shapes and the all-reduce order are part of the numerics, so the replay was "
+                  "not run"})
 
 
 # --- jobs -------------------------------------------------------------------------------------------
@@ -378,7 +391,7 @@ class ReplayService:
         self._finished.pop(replay_id, None)
         return job
 
-    def _engine(self) -> Any:
+    def _engine(self) -> ServingEngine:
         self.services.require_completions()  # 503 while the model loads or when it failed
         return self.services.engine
 
@@ -477,14 +490,14 @@ class ReplayService:
             await asyncio.gather(renewing, return_exceptions=True)
         return len(claimed)
 
-    async def _prepare_or_fail(self, job_id: str, engine: Any) -> _Claimed:
+    async def _prepare_or_fail(self, job_id: str, engine: ServingEngine) -> _Claimed:
         try:
             return await self._prepare(job_id, engine)
         except Exception as exc:  # noqa: BLE001 - the job fails with the reason; the batch goes on
             log_failure(log, "preparing a replay failed", exc, replay_id=job_id)
             return _Claimed(job_id, error=f"{type(exc).__name__}: {exc}")
 
-    async def _prepare(self, job_id: str, engine: Any) -> _Claimed:
+    async def _prepare(self, job_id: str, engine: ServingEngine) -> _Claimed:
         claimed = _Claimed(job_id)
         try:
             async with self.services.sessionmaker() as session:
@@ -496,21 +509,23 @@ class ReplayService:
             claimed.error = exc.message
             return claimed
         current = engine_shape(engine)
-        claimed.differences = environment_differences(claimed.record.predicate["runtime"],
-                                                      engine.runtime_fingerprint(), claimed.record.shape, current)
+        recorded_runtime, current_runtime = claimed.record.predicate["runtime"], engine.runtime_fingerprint()
+        claimed.differences = environment_differences(recorded_runtime, current_runtime, claimed.record.shape,
+                                                      current)
+        recorded_tp, current_tp = parallel_layout(recorded_runtime), parallel_layout(current_runtime)
         if claimed.record.shape != current:
             claimed.outcome = not_executed(claimed.differences, claimed.record.shape, current)
+        elif recorded_tp != current_tp:
+            claimed.outcome = not_executed_parallel(claimed.differences, recorded_tp, current_tp)
         return claimed
 
-    async def _execute(self, engine: Any, runnable: list[_Claimed], on_progress: ReplayProgress | None = None) -> None:
+    async def _execute(self, engine: ServingEngine, runnable: list[_Claimed], on_progress: ReplayProgress | None = None) -> None:
         """One ``engine.replay`` for all; if the engine refuses the batch, each alone (to name the bad one)."""
         if not runnable:
             return
         try:
             requests = [c.record.replay_request(c.job_id) for c in runnable if c.record is not None]
-            # on_progress only when asked for: engines without progress reporting keep working
-            results = await (engine.replay(requests, on_progress=on_progress) if on_progress is not None
-                             else engine.replay(requests))
+            results = await engine.replay(requests, on_progress=on_progress)
         except ValueError as exc:
             if len(runnable) == 1:
                 runnable[0].error = f"the engine refused the recorded windows: {exc}"
@@ -528,7 +543,7 @@ class ReplayService:
             assert c.record is not None
             c.outcome = judge(c.record, result, c.differences or {})
 
-    async def _finish(self, claimed: _Claimed, engine: Any) -> None:
+    async def _finish(self, claimed: _Claimed, engine: ServingEngine) -> None:
         signed = None
         if claimed.outcome is not None:
             assert claimed.record is not None

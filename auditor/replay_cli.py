@@ -21,13 +21,13 @@ import os
 import sys
 from typing import Any
 
+from auditor.cli_settings import ENGINE_SETTINGS, STORAGE_SETTINGS, prepare_storage, setting_flags, settings_from
+
 EXIT = {"match": 0, "mismatch": 1, "inconclusive_environment": 3}
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    """Arguments of the ``replay`` subcommand, registered in ``auditor.cli.SUBCOMMANDS``."""
-    from auditor.cli import ENGINE_SETTINGS, STORAGE_SETTINGS, setting_flags
-
+    """Arguments of the ``replay`` subcommand, registered in ``auditor.cli.plugin_commands``."""
     parser.add_argument("transcript_id", help="id of a deterministic transcript (see GET /v1/transcripts)")
     parser.add_argument("--url", help="replay on a running server at this base URL (env VERBATIM_URL)")
     parser.add_argument("--api-key", help="API key for --url (env VERBATIM_API_KEY)")
@@ -70,8 +70,8 @@ def _over_http(url: str, args: argparse.Namespace) -> dict[str, Any]:
 async def _in_process(args: argparse.Namespace) -> dict[str, Any]:
     from engine import progress
 
-    from auditor.app import attach_engine, build_services, load_engine
-    from auditor.cli import prepare_storage, settings_from
+    from auditor.app import attach_engine, build_services
+    from auditor.engine_seam import load_engine
     from auditor.errors import ApiError
     from auditor.replay import ReplayService
 

@@ -7,46 +7,36 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import datetime as dt
+import hashlib
 import logging
 import re
 import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from engine.sampling import SamplingParams
 
 from auditor.canonical import timestamp
+from auditor.engine_seam import ServingEngine
 from auditor.errors import ApiError, bad_request
 from auditor.ledger import Appended, Ledger, TranscriptDraft
 from auditor.logs import log_failure
 from auditor.logcheck import LogFault, LogIntegrityError
 from auditor.metrics import Metrics
-from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
+from auditor.structured import Structured, parameters_grammar
+from auditor.transcript import Api, Choice, DvrStats, ModelInfo, Status, new_salt, uuid7
 
 log = logging.getLogger("auditor.service")
 
 _FIELD = re.compile(r"^(?:SamplingParams\.)?([A-Za-z_][A-Za-z0-9_]*)\s*:")
 _PARAM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "logprobs", "prompt",
-                "messages", "stop_token_ids")
+                "messages", "stop_token_ids", "logit_bias", "presence_penalty", "frequency_penalty",
+                "repetition_penalty")
 
 
-_ENGINE_TO_API = {"prompt_token_ids": "prompt", "request_id": None}
-
-
-class Engine(Protocol):
-    """The part of ``engine.AsyncEngine`` the service uses (docs/engine.md)."""
-
-    tokenizer: Any
-    model_info: Any
-
-    def runtime_fingerprint(self) -> dict[str, str | int]: ...
-    def system_fingerprint(self) -> str: ...
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
-    def generate(self, prompt_token_ids: list[int], params: SamplingParams,
-                 request_id: str | None = None) -> AsyncIterator[Any]: ...
-    async def abort(self, request_id: str) -> Any: ...
-    def stats(self) -> Any: ...
+_ENGINE_TO_API = {"prompt_token_ids": "prompt", "request_id": None, "prompt_logprobs": "logprobs"}
+CHOICE_SEED_DOMAIN = b"verbatim-choice-seed-v1"
 
 
 @dataclass(frozen=True)
@@ -70,6 +60,25 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     request_json: dict[str, Any]
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
+    echo: bool = False
+    structured: Structured | None = None
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """Accepted request fields without effect on generation, signed as ``request.extras``."""
+
+
+def choice_seed(request_seed: int, index: int) -> int:
+    """The seed of choice ``index``: the request seed for choice 0, else the first 8 bytes (little-endian)
+    of ``SHA-256("verbatim-choice-seed-v1" || u64le(request_seed) || u32le(index))``."""
+    if index == 0:
+        return request_seed
+    material = CHOICE_SEED_DOMAIN + request_seed.to_bytes(8, "little") + index.to_bytes(4, "little")
+    return int.from_bytes(hashlib.sha256(material).digest()[:8], "little")
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,7 @@ class Prepared:
     params: SamplingParams
     tenant: str
     api_key_id: str
+    choice: Choice = Choice(0, 1, None)
 
     @property
     def seed(self) -> int | None:
@@ -121,8 +131,8 @@ def engine_error(exc: ValueError) -> ApiError:
 
 
 class CompletionService:
-    def __init__(self, engine: Engine, ledger: Ledger, metrics: Metrics, *, model_name: str, max_prompt_tokens: int,
-                 max_tokens_limit: int) -> None:
+    def __init__(self, engine: ServingEngine, ledger: Ledger, metrics: Metrics, *, model_name: str,
+                 max_prompt_tokens: int, max_tokens_limit: int, max_n: int = 1) -> None:
         self.engine = engine
         self.model_name = model_name
         """The served model id: what clients send as ``model`` and what transcripts record as its name."""
@@ -130,14 +140,18 @@ class CompletionService:
         self.metrics = metrics
         self.max_prompt_tokens = max_prompt_tokens
         self.max_tokens_limit = max_tokens_limit
+        self.max_n = max_n
         self._background: set[asyncio.Task[Any]] = set()
 
     # --- prepare ---------------------------------------------------------------------------------
 
-    async def prepare(self, request: GenerationRequest, tenant: str, api_key_id: str) -> Prepared:
-        """Validate and tokenize; refused (503) before any generation when the log cannot take it."""
+    async def prepare(self, request: GenerationRequest, tenant: str, api_key_id: str) -> list[Prepared]:
+        """Validate and tokenize; one ``Prepared`` per choice (``n``), each with its own transcript id and
+        seed (``choice_seed``). Refused (503) before any generation when the log cannot take it."""
         if self.ledger.fault is not None:
             raise log_refused(self.ledger.fault)
+        if request.n > self.max_n:
+            raise bad_request(f"n must be <= {self.max_n} (the server's max_n), got {request.n}", param="n")
         received_at = dt.datetime.now(dt.UTC)
         prompt_text, prompt_ids = await asyncio.to_thread(self._tokenize, request)
         if len(prompt_ids) > self.max_prompt_tokens:
@@ -147,21 +161,60 @@ class CompletionService:
         if request.max_tokens > self.max_tokens_limit:
             raise bad_request(f"max_tokens must be <= {self.max_tokens_limit}, got {request.max_tokens}",
                               param="max_tokens")
+        self._check_logit_bias(request.logit_bias)
         seed = request.seed
-        if seed is None and request.deterministic:
+        if seed is None and (request.deterministic or request.n > 1):
             seed = secrets.randbits(64)
         try:
             params = SamplingParams(
                 max_tokens=request.max_tokens, temperature=request.temperature, top_p=request.top_p,
                 top_k=request.top_k, min_p=request.min_p, seed=seed, stop=request.stop, ignore_eos=request.ignore_eos,
-                logprobs=request.logprobs, deterministic=request.deterministic)
+                logprobs=request.logprobs, deterministic=request.deterministic, logit_bias=request.logit_bias,
+                presence_penalty=request.presence_penalty, frequency_penalty=request.frequency_penalty,
+                repetition_penalty=request.repetition_penalty, prompt_logprobs=request.prompt_logprobs)
             self.engine.validate(prompt_ids, params)
         except ValueError as exc:
-            error = engine_error(exc)
-            if request.messages is not None and error.param == "prompt":
-                error.param = "messages"
-            raise error from None
-        return Prepared(request, str(uuid7()), received_at, prompt_ids, prompt_text, params, tenant, api_key_id)
+            raise self._request_error(request, exc) from None
+        if request.structured is not None:
+            params = dataclasses.replace(params, grammar=request.structured.grammar)
+            await asyncio.to_thread(self._check_grammar, prompt_ids, params, request.structured)
+        choices = []
+        for index in range(request.n):
+            choice_params = params if index == 0 else dataclasses.replace(params, seed=choice_seed(seed, index))
+            choices.append(Prepared(request, str(uuid7()), received_at, prompt_ids, prompt_text, choice_params,
+                                    tenant, api_key_id, Choice(index, request.n, seed if request.n > 1 else None)))
+        return choices
+
+    @staticmethod
+    def _request_error(request: GenerationRequest, exc: ValueError) -> ApiError:
+        """The engine's refusal as a 400 naming the request field."""
+        error = engine_error(exc)
+        if request.messages is not None and error.param == "prompt":
+            error.param = "messages"
+        return error
+
+    def _check_logit_bias(self, bias: tuple[tuple[int, float], ...]) -> None:
+        tokenizer = self.engine.tokenizer
+        vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
+        outside = [t for t, _ in bias if vocab is not None and t >= vocab]
+        if outside:
+            raise bad_request(f"logit_bias key {outside[0]} is outside the vocabulary (token ids 0..{vocab - 1})",
+                              param="logit_bias")
+
+    def _check_grammar(self, prompt_ids: list[int], params: SamplingParams, spec: Structured) -> None:
+        """The engine compiles each tool's parameters schema alone (to name the tool), then the whole grammar:
+        what the grammar library cannot compile is a 400 naming the request field. Compiled grammars are
+        cached by the engine, so generation does not compile them again."""
+        for tool in spec.tools:
+            try:
+                self.engine.validate(prompt_ids, dataclasses.replace(params, grammar=parameters_grammar(tool)))
+            except ValueError as exc:
+                param = f"tools[{tool.index}].function.parameters"
+                raise bad_request(f"{param} is not a usable JSON schema: {exc}", param=param) from None
+        try:
+            self.engine.validate(prompt_ids, params)
+        except ValueError as exc:
+            raise bad_request(f"{spec.param} cannot be compiled into a grammar: {exc}", param=spec.param) from None
 
     def _tokenize(self, request: GenerationRequest) -> tuple[str, list[int]]:
         tokenizer = self.engine.tokenizer
@@ -169,8 +222,8 @@ class CompletionService:
             text = tokenizer.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
             return text, list(tokenizer.encode(text, add_special_tokens=False))
         if isinstance(request.prompt, list):
-            vocab = len(tokenizer) if hasattr(tokenizer, "__len__") else None
-            bad = [t for t in request.prompt if t < 0 or (vocab is not None and t >= vocab)]
+            vocab = len(tokenizer)
+            bad = [t for t in request.prompt if not 0 <= t < vocab]
             if bad:
                 raise bad_request(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab})", param="prompt")
             return tokenizer.decode(request.prompt), list(request.prompt)
@@ -231,6 +284,16 @@ class CompletionService:
         task.add_done_callback(self._background.discard)
         return task
 
+    def record_finished(self, prepared: Prepared, output: Any) -> None:
+        """Record a finished generation in a task of its own (a caller being cancelled cannot await)."""
+        self._spawn(self._record_logged(prepared, output, Status.COMPLETED))
+
+    async def _record_logged(self, prepared: Prepared, output: Any, status: Status) -> None:
+        try:
+            await self.record(prepared, output, status)
+        except Exception as exc:  # noqa: BLE001 - a background task: log it, the client is gone
+            log_failure(log, "recording a finished choice failed", exc, transcript_id=prepared.transcript_id)
+
     def record_disconnect(self, prepared: Prepared, last_seen: Any | None) -> None:
         """Client gone: abort the request and record what was committed, in a task of its own
         (the caller is being cancelled or closed and cannot await)."""
@@ -239,7 +302,7 @@ class CompletionService:
     async def _record_disconnect(self, prepared: Prepared, last_seen: Any | None) -> None:
         try:
             output = await self.engine.abort(prepared.transcript_id)
-            if output is None and hasattr(self.engine, "last_output"):
+            if output is None:
                 output = self.engine.last_output(prepared.transcript_id)
             output = output or last_seen
             if output is None:
@@ -257,6 +320,7 @@ class CompletionService:
     def _draft(self, prepared: Prepared, output: Any, status: Status) -> TranscriptDraft:
         info = self.engine.model_info
         params = {k: v for k, v in dataclasses.asdict(prepared.params).items() if k != "seed"}
+        choice = prepared.choice
         completed_at = dt.datetime.now(dt.UTC)
         inputs = {
             "transcript_id": prepared.transcript_id, "tenant": prepared.tenant, "api": prepared.request.api,
@@ -270,6 +334,8 @@ class CompletionService:
             "finish_reason": output.finish_reason, "windows": [tuple(w) for w in output.windows],
             "window_shape": tuple(output.window_shape), "logprobs": list(output.token_logprobs),
             "dvr": DvrStats(output.verify_passes, output.rollbacks, output.recomputed_tokens),
+            "choice": choice if choice.count > 1 else None,
+            "request_extras": dict(prepared.request.extras) or None,
         }
         return TranscriptDraft(inputs, prepared.api_key_id, self.engine.system_fingerprint(),
                                prepared.request.request_json, prepared.prompt_text, output.text)

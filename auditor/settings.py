@@ -45,6 +45,7 @@ class Settings:
     max_body_bytes: int = _setting(1_048_576, "largest request body accepted, in bytes")
     max_prompt_tokens: int = _setting(4096, "longest prompt accepted, in tokens (413 beyond)")
     max_tokens_limit: int = _setting(4096, "largest max_tokens a request may ask for")
+    max_n: int = _setting(8, "most choices (n) one completion request may ask for")
     api_key_cache_seconds: float = _setting(
         1.0, "seconds a valid API key is remembered without reading the database again; a key revoked by another "
         "process (replica, CLI) is refused after at most this long, one revoked through this process at once")
@@ -58,8 +59,14 @@ class Settings:
     keep_serving_on_load_error: bool = _setting(
         False, "when the model cannot be loaded, keep serving (/readyz answers 503 with the error) instead of "
         "exiting with status 1")
+    tensor_parallel_size: int = _setting(
+        1, "shard the model over this many ranks, one process each (CUDA: one GPU each, over NCCL); part of the "
+        "runtime fingerprint, so a transcript replays only at its own size")
     engine_options: Mapping[str, Any] = field(default_factory=dict, metadata={"help": (
         "other EngineConfig fields as a JSON object, e.g. '{\"window\": 16, \"group\": 8}'")})
+    engine_process: bool = _setting(
+        True, "run the engine in a process of its own (the serving process then only serves: the two do not "
+        "share one Python interpreter lock); false: an engine thread inside the serving process")
     engine_factory: str | None = _setting(
         None, "module:callable building the engine from the Settings instead of engine.AsyncEngine (tests run "
         "several server processes on a small fake engine this way)")
@@ -83,10 +90,14 @@ class Settings:
             raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.max_prompt_tokens < 1:
             raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
+        if self.max_n < 1:
+            raise ValueError(f"max_n must be >= 1, got {self.max_n}")
         if self.api_key_cache_seconds < 0:
             raise ValueError(f"api_key_cache_seconds must be >= 0, got {self.api_key_cache_seconds}")
         if self.log_check_interval_seconds < 0:
             raise ValueError(f"log_check_interval_seconds must be >= 0, got {self.log_check_interval_seconds}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.replay_max_queued < 1:
             raise ValueError(f"replay_max_queued must be >= 1, got {self.replay_max_queued}")
         if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:

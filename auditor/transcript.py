@@ -8,7 +8,9 @@ Layout of the Statement (DESIGN §4; serialized with ``canonical_json`` and sign
                     {name: "transcript:<id>/output", digest: {sha256: output_commitment}}]
     predicateType  "https://verbatim.dev/transcript/v1"
     predicate      transcript {id, tenant, sequence, previous_digest}
-                   request    {api, received_at, completed_at, status}
+                   request    {api, received_at, completed_at, status,
+                               choice {index, count, request_seed}   (only when n > 1),
+                               extras {metadata, user, ...}          (only when given)}
                    model      {name, weights_digest, tokenizer_digest, chat_template_digest, dtype}
                    runtime    the engine's runtime fingerprint dict, verbatim
                    sampling   {params (without seed), seed: decimal string, deterministic}
@@ -94,6 +96,16 @@ class DvrStats:
 
 
 @dataclass(frozen=True)
+class Choice:
+    """Which of a request's ``n`` choices a transcript holds; its seed derives from ``request_seed``
+    (``auditor.service.choice_seed``)."""
+
+    index: int
+    count: int
+    request_seed: int | None
+
+
+@dataclass(frozen=True)
 class TranscriptInputs:
     """Everything a transcript records. Times are RFC 3339 UTC strings ending in ``Z``."""
 
@@ -118,6 +130,10 @@ class TranscriptInputs:
     window_shape: tuple[int, int]
     logprobs: Sequence[float]
     dvr: DvrStats
+    choice: Choice | None = None
+    """Set when the request asked for several choices (``n`` > 1)."""
+    request_extras: Mapping[str, Any] | None = None
+    """Accepted request fields without effect on generation (``metadata``, ``user``, ...)."""
 
     def __post_init__(self) -> None:
         _validate_inputs(self)
@@ -144,6 +160,10 @@ def _validate_inputs(x: TranscriptInputs) -> None:
     cn.check_windows(x.windows, len(x.output_ids))
     if len(x.logprobs) != len(x.output_ids):
         raise ValueError(f"{len(x.logprobs)} logprobs for {len(x.output_ids)} output tokens")
+    if x.choice is not None and not 0 <= x.choice.index < x.choice.count:
+        raise ValueError(f"choice index {x.choice.index} is outside 0..{x.choice.count - 1}")
+    if x.choice is not None and x.choice.request_seed is not None:
+        cn.seed_to_str(x.choice.request_seed)
     if "seed" in x.sampling_params and x.sampling_params["seed"] not in (None, x.seed, str(x.seed)):
         raise ValueError(f"sampling_params seed {x.sampling_params['seed']!r} differs from seed {x.seed}")
 
@@ -151,11 +171,18 @@ def _validate_inputs(x: TranscriptInputs) -> None:
 def build_predicate(x: TranscriptInputs) -> dict[str, Any]:
     """The ``https://verbatim.dev/transcript/v1`` predicate (layout in the module docstring)."""
     g, w = x.window_shape
+    request: dict[str, Any] = {"api": Api(x.api).value, "received_at": x.received_at,
+                               "completed_at": x.completed_at, "status": Status(x.status).value}
+    if x.choice is not None:
+        seed = x.choice.request_seed
+        request["choice"] = {"index": x.choice.index, "count": x.choice.count,
+                             "request_seed": cn.seed_to_str(seed) if seed is not None else None}
+    if x.request_extras:
+        request["extras"] = dict(x.request_extras)
     return {
         "transcript": {"id": x.transcript_id, "tenant": x.tenant, "sequence": x.sequence,
                        "previous_digest": x.previous_digest},
-        "request": {"api": Api(x.api).value, "received_at": x.received_at, "completed_at": x.completed_at,
-                    "status": Status(x.status).value},
+        "request": request,
         "model": {"name": x.model.name, "weights_digest": x.model.weights_digest,
                   "tokenizer_digest": x.model.tokenizer_digest,
                   "chat_template_digest": x.model.chat_template_digest, "dtype": x.model.dtype},

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench_gpu import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
 
 
 def main() -> int:

@@ -4,9 +4,10 @@
 #   bash bench/h200.sh STAGE [STAGE ...]      from the source root on the GPU machine; results go to $OUT
 #
 # Stages:
-#   setup       install the wheels in .whl/ into /tmp/site (the machine has torch, triton and transformers,
-#               not the pure-Python dependencies) and put the SmolLM2 GGUF at $VERBATIM_GPU_GGUF
-#               (joined from ~/gm/part-aa and .gpu/model-b/part-ab when it is not there)
+#   setup       gather the carried wheels (.gpu/whl-a, -b, -c, .whl) in ~/gmw and install them into /tmp/site
+#               with the last part (the machine has torch, triton and transformers, not the service's
+#               dependencies), and put the SmolLM2 GGUF at $VERBATIM_GPU_GGUF (joined from .gpu/model-a's
+#               part-aa, kept in ~/gm, and .gpu/model-b's part-ab); run once per call that carries a part
 #   mixes       the mode comparison on the synthetic 8B: the two ShareGPT-like mixes and 16 x 1k in / 256 out,
 #               every mode                                          -> gpu-bench-modes-mixes.json
 #   long4k      the same on 16 x 4k in / 1k out                    -> gpu-bench-modes-4k.json
@@ -26,6 +27,18 @@
 #                                                                   -> sampler-bench.json
 #   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2:
 #               bench/serve_bench.py                 -> serve-bench-8b.json / .png, serve-bench-smollm2.json / .png
+#   tp          nvidia-h200-x2: tensor parallelism against one GPU on the synthetic 8B (bench/tp_bench.py; one
+#               engine per process: TP_SIZES x nondeterministic / dvr / batch_invariant, all-reduce
+#               TP_REDUCTION, default gather_sum)     -> tp-bench-<reduction>.json / .png (+ the runs' JSON)
+#   tptests     nvidia-h200-x2: the gpu tests of tensor parallelism, one pytest process per (model, reduction)
+#               and one for the one-rank group (TPTESTS_KEYS picks some, e.g. "one_rank" on one H200; the five
+#               may take more than one device call)                  -> gpu-pytest-tp.txt
+#   stream      the verify cadence (issue 26): one stream alone and 8 at once, 256 tokens, deterministic at
+#               STREAM_CADENCES (default 0,8,12,16) against non-deterministic, the synthetic 8B and SmolLM2:
+#               bench/stream_bench.py             -> stream-bench-8b.json / .png, stream-bench-smollm2.json / .png
+#   schema      25 % of the requests under a JSON schema against the same mix without: SmolLM2, then the
+#               synthetic 8B (bench/schema_mix_bench.py)     -> schema-mix-smollm2.json, schema-mix-8b.json
+#   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -34,43 +47,48 @@ GGUF=${VERBATIM_GPU_GGUF:-$HOME/gm/SmolLM2-135M-Instruct.Q4_1.gguf}
 export VERBATIM_GPU_GGUF=$GGUF VERBATIM_GGUF=$GGUF
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
-stage_setup() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING
+stage_setup() {  # one call per carried part: the wheels and the model arrive in parts (64 MiB a call)
+  mkdir -p ~/gm ~/gmw
+  for d in .gpu/whl-a .gpu/whl-b .gpu/whl-c .whl; do [ -d "$d" ] && cp "$d"/*.whl ~/gmw/ 2>/dev/null; done
+  [ -s .gpu/model-a/part-aa ] && cp .gpu/model-a/part-aa ~/gm/
+  if [ -d .gpu/whl-c ] && [ ! -d /tmp/site ]; then  # the last part is here: install everything
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ~/gmw/*.whl 2>&1 | grep -v WARNING
+  fi
   if [ ! -s "$GGUF" ] && [ -s ~/gm/part-aa ] && [ -s .gpu/model-b/part-ab ]; then
     cat ~/gm/part-aa .gpu/model-b/part-ab > "$GGUF"
   fi
-  ls -la "$GGUF" || true
+  ls -la "$GGUF" ~/gmw | tail -3 || true
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
 }
 
 stage_mixes() {  # at most 290 s
-  timeout "${MIXES_TIMEOUT:-290}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+  timeout "${MIXES_TIMEOUT:-290}" python3 -m bench engine --sections compare_modes_synthetic \
     --synthetic-sets sharegpt,sharegpt-896x640,16x1024x256 --deadline-s 280 --out "$OUT" \
     --name gpu-bench-modes-mixes ${MIXES_ARGS:-} 2>&1 | grep -v Warn | tail -20
 }
 
 stage_long4k() {  # at most 170 s
-  timeout "${LONG4K_TIMEOUT:-170}" python3 -m engine bench --device cuda --sections compare_modes_synthetic \
+  timeout "${LONG4K_TIMEOUT:-170}" python3 -m bench engine --sections compare_modes_synthetic \
     --synthetic-sets 16x4096x1024 --modes nondeterministic,dvr_10pct,dvr_100pct,batch_invariant --deadline-s 160 \
     --out "$OUT" --name gpu-bench-modes-4k ${LONG4K_ARGS:-} 2>&1 | grep -v Warn | tail -8
 }
 
 stage_core() {
-  timeout "${CORE_TIMEOUT:-540}" python3 -m engine bench --device cuda --sections core --out "$OUT" \
+  timeout "${CORE_TIMEOUT:-540}" python3 -m bench engine --sections core --out "$OUT" \
     --name gpu-bench-8b ${CORE_ARGS:-} 2>&1 | tail -60
 }
 
 stage_replay() {
-  timeout "${REPLAY_TIMEOUT:-300}" python3 -m engine bench --replay --device cuda --out "$OUT" 2>&1 | tail -30
+  timeout "${REPLAY_TIMEOUT:-300}" python3 -m bench replay --out "$OUT" 2>&1 | tail -30
 }
 
 stage_rollback() {
-  timeout "${ROLLBACK_TIMEOUT:-300}" python3 -m engine bench --device cuda --sections smollm2_rollback --gguf "$GGUF" \
+  timeout "${ROLLBACK_TIMEOUT:-300}" python3 -m bench engine --sections smollm2_rollback --gguf "$GGUF" \
     --out "$OUT" --name gpu-bench-rollback 2>&1 | tail -20
 }
 
 stage_probe() {
-  timeout "${PROBE_TIMEOUT:-240}" python3 -m engine.bench_bi_matmul --out "$OUT" 2>&1 | tail -70
+  timeout "${PROBE_TIMEOUT:-240}" python3 -m bench bi-matmul --out "$OUT" 2>&1 | tail -70
 }
 
 stage_tests() {
@@ -124,6 +142,48 @@ stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside
     --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
   timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 $commit \
     --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+}
+
+stage_tp() {  # 6 engines, each bounded by TP_RUN_TIMEOUT (about 1 min each on the H200 pair, untimed start-up included)
+  local reduction=${TP_REDUCTION:-gather_sum} tp mode
+  for tp in ${TP_SIZES:-1 2}; do
+    for mode in nondeterministic dvr batch_invariant; do
+      timeout "${TP_RUN_TIMEOUT:-150}" python3 bench/tp_bench.py run --tp "$tp" --engine-mode "$mode" \
+        --reduction "$reduction" --out "$OUT/tp-$reduction" ${TP_ARGS:-} 2>&1 | grep -v Warn | tail -5
+    done
+  done
+  python3 bench/tp_bench.py report "$OUT/tp-$reduction" --out "$OUT" --name "tp-bench-$reduction" 2>&1 | tail -30
+}
+
+stage_tptests() {
+  local k
+  : > "$OUT/gpu-pytest-tp.txt"
+  for k in ${TPTESTS_KEYS:-one_rank smollm2-gather_sum smollm2-nccl synthetic-8b-gather_sum synthetic-8b-nccl}; do
+    timeout "${TPTESTS_TIMEOUT:-280}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE -k "$k" \
+      tests/engine/test_gpu_tensor_parallel.py 2>&1 | grep -v Warn | tee -a "$OUT/gpu-pytest-tp.txt" | tail -8
+  done
+}
+
+stage_stream() {  # issue 26: per-token commit times through the engine alone (at most 300 + 200 s)
+  local cadences=${STREAM_CADENCES:-0,8,12,16}
+  timeout "${STREAM_8B_TIMEOUT:-300}" python3 bench/stream_bench.py --device cuda --model synthetic:llama-3.1-8b \
+    --max-tokens 256 --cadences "$cadences" --concurrency 1,8 --repeats 3 --out "$OUT" --name stream-bench-8b \
+    ${STREAM_ARGS:-} 2>&1 | grep -v Warn | tail -14
+  timeout "${STREAM_SMOL_TIMEOUT:-200}" python3 bench/stream_bench.py --device cuda --model "$GGUF" \
+    --max-tokens 256 --cadences "$cadences" --concurrency 1,8 --repeats 3 --out "$OUT" --name stream-bench-smollm2 \
+    ${STREAM_ARGS:-} 2>&1 | grep -v Warn | tail -14
+}
+
+stage_schema() {  # at most 200 + 380 s
+  timeout "${SCHEMA_SMOL_TIMEOUT:-200}" python3 bench/schema_mix_bench.py --models smollm2 --gguf "$GGUF" \
+    --schema-share 0.25 --out "$OUT" --name schema-mix-smollm2 ${SCHEMA_ARGS:-} 2>&1 | grep -v Warn | tail -6
+  timeout "${SCHEMA_8B_TIMEOUT:-380}" python3 bench/schema_mix_bench.py --models synthetic --gguf "$GGUF" \
+    --schema-share 0.25 --cap-s 30 --out "$OUT" --name schema-mix-8b ${SCHEMA_ARGS:-} 2>&1 | grep -v Warn | tail -6
+}
+
+stage_proctests() {
+  timeout "${PROCTESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=10 \
+    tests/engine/test_gpu_processors.py 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-processors.txt" | tail -25
 }
 
 for s in "$@"; do

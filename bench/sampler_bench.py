@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from engine.bench_gpu import SAMPLING_PRESETS  # the mode comparison's presets; top logprobs added below
+from bench.engine_bench.mixes import SAMPLING_PRESETS  # the mode comparison's presets; top logprobs added below
 
 PRESETS: dict[str, dict[str, Any]] = {**{k: v for k, v in SAMPLING_PRESETS.items() if k != "greedy"},
                                       "logprobs": {"temperature": 0.8, "logprobs": 5}}

@@ -19,7 +19,8 @@ shorter preset (fewer requests, shorter points, one stream repeat). One run serv
 
 What a run does, in order:
 1. The engine alone, in a child process (`--role engine`) that exits before the service starts, so each has
-   the whole device: the engine exactly as the service builds it (auditor.app.load_engine), and on it, per
+   the whole device: the engine as the service builds it (auditor.app.load_engine, in that process rather
+   than in an engine process of its own, so that its EngineCore can be driven directly), and on it, per
    mode, the saturation set through EngineCore.step ("core": the engine bench's loop) and through AsyncEngine
    ("async": the service's engine thread without HTTP), then the issue-26 streams with per-token commit
    times. It also draws the request pool from the model's vocabulary.
@@ -37,7 +38,7 @@ What a run does, in order:
    checkpoint's signature verifies and its tree size equals the number of transcripts, whose log indices
    are exactly 0 .. size-1.
 
-Requests: the engine bench's ShareGPT-like mix (engine.bench_gpu: prompt and output lengths log-uniform,
+Requests: the engine bench's ShareGPT-like mix (bench/engine_bench/mixes.py: prompt and output lengths log-uniform,
 --set sharegpt = prompts 16..512, outputs 16..128; sharegpt-PxO for other maxima), random token-id prompts,
 max_tokens = the drawn output length with ignore_eos, temperature --temperature, top_p --top-p on a random
 --top-p-share of the requests, seed = --seed + index. Modes (--det-shares): the share of deterministic
@@ -125,7 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine-option", action="append", default=[], metavar="KEY=JSON",
                    help="an EngineConfig field for the service and the engine alone (default: none)")
     p.add_argument("--quick", action="store_true", help=f"shorter preset: {QUICK}")
-    p.add_argument("--set", default="sharegpt", help="request mix: sharegpt or sharegpt-PxO (engine.bench_gpu)")
+    p.add_argument("--set", default="sharegpt", help="request mix: sharegpt or sharegpt-PxO (bench.engine_bench.mixes)")
     p.add_argument("--det-shares", type=_floats, default=[0.0, 0.1, 1.0], help="deterministic shares (modes)")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-p", type=float, default=0.95)
@@ -210,7 +211,8 @@ def engine_role(plan_path: str, result_path: str) -> int:
     from auditor.settings import Settings
 
     t0 = time.monotonic()
-    engine = load_engine(Settings(model=plan["model"], device=plan["device"],
+    # in this process (its EngineCore is driven directly); the service runs its engine in a process of its own
+    engine = load_engine(Settings(model=plan["model"], device=plan["device"], engine_process=False,
                                   engine_options=plan["engine_options"]))
     core = engine.core
     vocab = min(core.shape.vocab_size, len(engine.tokenizer))
@@ -275,10 +277,10 @@ def model_info_json(info: Any) -> dict[str, Any]:
 
 
 def request_pool(plan: dict[str, Any], vocab: int) -> list[dict[str, Any]]:
-    """The ShareGPT-like mix of engine.bench_gpu (same length seeds), random prompts, per-request top_p."""
+    """The ShareGPT-like mix of the engine benchmark (same length seeds), random prompts, per-request top_p."""
     import torch
 
-    from engine.bench_gpu import MIX_LO, parse_set_spec, sharegpt_like_lengths
+    from bench.engine_bench.mixes import MIX_LO, parse_set_spec, sharegpt_like_lengths
 
     kind, _, nums = parse_set_spec(plan["set"], 128)
     if kind != "mix":
@@ -478,7 +480,7 @@ def stream_line(summary: dict[str, Any]) -> str:
 
 # ---- statistics -------------------------------------------------------------------------------------
 def pct(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile (engine.bench_gpu's rule)."""
+    """Nearest-rank percentile (the engine benchmark's rule, bench.engine_bench.common.percentile)."""
     if not values:
         return None
     ordered = sorted(values)

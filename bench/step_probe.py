@@ -12,7 +12,7 @@
    the same work one after the other (k = 1, 2, 3).
 4. With --split-sweep: the captured decode step at batch 16 / 32 / 64 for
    each split-KV split size 64 / 128 / 256 / 512, and for the default split at other warps / pipeline
-   stages of the split kernel (`triton_paged.DECODE_NUM_WARPS` / `DECODE_NUM_STAGES`), cuBLASLt from the
+   stages of the split kernel (`KernelSettings.decode_num_warps` / `decode_num_stages`), cuBLASLt from the
    engine's default row count as the engine captures it, with the split kernel's device time: whether
    the split table and launch leave time at the batches of the core throughput runs.
    `--only-split-sweep` skips 1-3.
@@ -30,9 +30,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.bench_gpu import (  # noqa: E402
-    BLOCK_SIZE, RESERVED_BLOCKS, contiguous_tables, environment, fill_cache_, kernel_times, time_cuda,
-)
+from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from bench.engine_bench.core import kernel_times  # noqa: E402
+from engine.config import RESERVED_BLOCKS  # noqa: E402
 
 
 # M = 1 / 64: decode; 256: the 8 x 32 verify pass; 320 / 384: a verify pass carrying a decode step's 64 / 128
@@ -87,36 +87,36 @@ def split_sweep(model: Any, kv: Any, nb: int, context: int, reps: int,
                 sizes: tuple[int, ...] = (64, 128, 256, 512)) -> dict[str, Any]:
     """Median replay ms of the captured decode step per (variant, batch) and the split kernel's device µs per
     replay. Variants: each split size at the default launch, and the default split (by rows) at 4 or 8 warps
-    and 2-4 pipeline stages. The backend's split setting and the launch constants are restored afterwards."""
+    and 2-4 pipeline stages, each a backend of its own on the model's weights."""
+    from dataclasses import replace
+
     from engine.attention import triton_paged as tp
+    from engine.attention.triton_backend import TritonPagedAttention
     from engine.config import DEFAULT_DECODE_CUBLASLT_MIN_ROWS
     from engine.cuda_graphs import DecodeGraphs
 
-    backend = model.attention
-    saved = backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES
+    base = model.attention.settings
     out: dict[str, Any] = {"context": context, "default_split": {b: tp.decode_split_for_rows(b) for b in batches},
-                           "default_warps_stages": [tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES],
+                           "default_warps_stages": [base.decode_num_warps, base.decode_num_stages],
                            "cublaslt_min_rows": DEFAULT_DECODE_CUBLASLT_MIN_ROWS, "runs": {}}
     # each split size at the default launch; then the default split (by rows) at other warps / stages
-    variants = [(size, saved[1], saved[2], f"split{size}") for size in sizes] + [
-        (None, w, st, f"w{w}s{st}") for w, st in ((4, 3), (4, 4), (8, 2), (8, 3))]
-    try:
-        for size, warps, stages, tag in variants:
-            backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES = size, warps, stages
-            graphs = DecodeGraphs(model, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
-                                  batch_sizes=batches, cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS)
-            graphs.capture()
-            for b in batches:
-                step = stage_decode(graphs, model, b, nb, context)
-                prof = profile_replays(step.replay)
-                attn = sum(k["us"] for k in prof["top"] if "decode_split" in k["name"])
-                out["runs"][f"{tag}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
-                                              "split_kernel_us": round(attn, 1)}
-                print(tag, "b", b, out["runs"][f"{tag}_b{b}"], flush=True)
-            del graphs
-            torch.cuda.synchronize()
-    finally:
-        backend.split_size, tp.DECODE_NUM_WARPS, tp.DECODE_NUM_STAGES = saved
+    variants = [(size, base, f"split{size}") for size in sizes] + [
+        (None, replace(base, decode_num_warps=w, decode_num_stages=st), f"w{w}s{st}")
+        for w, st in ((4, 3), (4, 4), (8, 2), (8, 3))]
+    for size, settings, tag in variants:
+        view = model.with_numerics(model.ops, TritonPagedAttention(split_size=size, settings=settings))
+        graphs = DecodeGraphs(view, kv, max(batches), nb * BLOCK_SIZE, scratch_slot=BLOCK_SIZE,
+                              batch_sizes=batches, cublaslt_min_rows=DEFAULT_DECODE_CUBLASLT_MIN_ROWS)
+        graphs.capture()
+        for b in batches:
+            step = stage_decode(graphs, view, b, nb, context)
+            prof = profile_replays(step.replay)
+            attn = sum(k["us"] for k in prof["top"] if "decode_split" in k["name"])
+            out["runs"][f"{tag}_b{b}"] = {"median_ms": time_cuda(step.replay, reps=reps)["median_ms"],
+                                          "split_kernel_us": round(attn, 1)}
+            print(tag, "b", b, out["runs"][f"{tag}_b{b}"], flush=True)
+        del graphs
+        torch.cuda.synchronize()
     return out
 
 

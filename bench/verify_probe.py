@@ -3,7 +3,7 @@ synthetic 8B (H200 diagnostic).
 
     python bench/verify_probe.py --out DIR [--context 256] [--reps 30] [--programs 0,2048,4096]
 
-For each value of triton_canonical_decode.CHUNK_PROGRAMS in --programs (0: one program per key chunk of the
+For each value of KernelSettings.chunk_programs in --programs (0: one program per key chunk of the
 table), captured as the engine captures them:
 - the G x W + D verify graph (G = 8, W = 32, D = 64, tables as wide as the served context, 8192 keys), its 8
   verify rows and 64 carried rows at --context keys; and once the same pass with D = 0;
@@ -11,7 +11,7 @@ table), captured as the engine captures them:
   canonical (dvr_decode_attention="canonical_step_short", the dvr default at 100 % deterministic traffic, and
   batch_invariant's decode), and the plain split-KV step of the same rows (nondeterministic).
 Median ms over --reps (CUDA events), each graph's kernels under the profiler, and whether the outputs of every
-CHUNK_PROGRAMS value are bitwise those of the first. Writes verify-probe.json to DIR.
+chunk_programs value are bitwise those of the first. Writes verify-probe.json to DIR.
 """
 from __future__ import annotations
 
@@ -26,7 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.step_probe import profile_replays  # noqa: E402
-from engine.bench_gpu import BLOCK_SIZE, RESERVED_BLOCKS, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from engine.config import RESERVED_BLOCKS  # noqa: E402
 
 G, W, D, DECODE_ROWS, SERVED = 8, 32, 64, 96, 8192
 
@@ -38,7 +39,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--programs", default="0,2048,4096")
     a = ap.parse_args()
-    from engine.attention import triton_canonical_decode as packed
+    from engine.config import KernelSettings
     from engine.cuda_graphs import GRAPH_MAX_LEN, DecodeGraphs, VerifyGraph
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
@@ -101,8 +102,9 @@ def main() -> int:
         vg0.capture()
         record("verify_d0", vg0.graph.replay, vg0.logits)
         del vg0
+        base = model
         for p in programs:
-            packed.CHUNK_PROGRAMS = p
+            model = base.with_kernels(KernelSettings(chunk_programs=p))
             vg = VerifyGraph(model, kv, G, W, SERVED, D)
             vg.stage(*verify_inputs(D))
             vg.capture()

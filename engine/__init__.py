@@ -1,5 +1,6 @@
 """Verbatim engine: continuous batching with decode-verify-rollback (DVR) for bit-exact requests."""
 from engine.config import EngineConfig, Mode
+from engine.grammar import GrammarError, GrammarSpec, validate_grammar
 from engine.replay import ReplayRequest, ReplayResult
 from engine.sampling import SAMPLER_ID, SamplingParams
 from engine.sequence import RequestOutput
@@ -19,4 +20,4 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = ["LLM", "AsyncEngine", "EngineConfig", "Mode", "SamplingParams", "RequestOutput", "ReplayRequest",
-           "ReplayResult", "SAMPLER_ID", "__version__"]
+           "ReplayResult", "SAMPLER_ID", "GrammarSpec", "GrammarError", "validate_grammar", "__version__"]

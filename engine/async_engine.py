@@ -27,7 +27,8 @@ from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
 from engine.fingerprint import runtime_fingerprint, system_fingerprint
 from engine.llm import detokenizer
-from engine.model_runner import LoadedModel, load_model
+from engine.loading import load_model
+from engine.model_runner import LoadedModel
 from engine.replay import ReplayRequest, ReplayResult, replay_results, validate_replays
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput, Sequence, SeqKind
@@ -70,7 +71,13 @@ class AsyncEngine:
         self.tokenizer = loaded.tokenizer
         self.model_info = loaded.info
         eos = set(getattr(loaded.info, "eos_token_ids", ()) or ())
-        self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer))
+        try:
+            self.core = EngineCore(self.config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer),
+                                   loaded.tokenizer, tp=loaded.tp)
+        except BaseException:
+            if loaded.tp is not None:
+                loaded.tp.close()
+            raise
         self._fingerprint = runtime_fingerprint(self.config)
         progress.ready(self.config, str(getattr(loaded.info, "name", "?")), started)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
@@ -94,6 +101,7 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        await asyncio.to_thread(self.core.close)
 
     # ---- identity ----------------------------------------------------------------------------
     def runtime_fingerprint(self) -> dict[str, str | int]:
@@ -114,7 +122,9 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """Yield a cumulative RequestOutput each time tokens are committed; the last has finished=True."""
+        """Yield a cumulative RequestOutput each time tokens are committed (the newest, when several steps
+        landed since the last one was taken: a busy event loop sends fewer, longer chunks); the last has
+        finished=True."""
         self.validate(prompt_token_ids, params)
         rid = request_id or f"req-{uuid.uuid4().hex}"
         if rid in self._streams:
@@ -125,9 +135,8 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
+                item = latest(stream.queue, await stream.queue.get())
+                assert isinstance(item, RequestOutput)
                 finished = item.finished
                 yield item
         finally:
@@ -266,6 +275,18 @@ class AsyncEngine:
         for job in self._replays:
             job.loop.call_soon_threadsafe(_reject, job.future, RuntimeError(f"engine step failed: {exc!r}"))
         self._replays.clear()
+
+
+def latest(q: asyncio.Queue[Any], item: Any) -> Any:
+    """The newest of `item` and the items waiting behind it in `q` (outputs are cumulative, so the older
+    ones add nothing); an exception among them is raised."""
+    while True:
+        if isinstance(item, BaseException):
+            raise item
+        try:
+            item = q.get_nowait()
+        except asyncio.QueueEmpty:
+            return item
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Any], RequestOutput]]) -> None:

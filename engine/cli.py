@@ -1,10 +1,9 @@
-"""Command line: `generate` and `bench`, mounted in the `verbatim` command (auditor.cli) and runnable alone
-as `python -m engine generate ...` / `python -m engine bench ...`.
+"""Command line: `generate`, mounted in the `verbatim` command (auditor.cli) and runnable alone as
+`python -m engine generate ...`. The benchmarks are tools of the source tree: `python -m bench`.
 
 `generate` builds its EngineConfig from, highest first: its flags, `--engine-options`, the environment
 (VERBATIM_MODEL, VERBATIM_DEVICE, VERBATIM_SERVED_MODEL_NAME, VERBATIM_ENGINE_OPTIONS: the service's
-variables, so the offline engine runs what `verbatim serve` would), then EngineConfig's defaults. `bench`
-reads no environment: its results must follow from the command recorded beside them.
+variables, so the offline engine runs what `verbatim serve` would), then EngineConfig's defaults.
 """
 from __future__ import annotations
 
@@ -22,7 +21,8 @@ ENV_PREFIX = "VERBATIM_"
 _ENGINE_FIELDS = {"device": "device", "dtype": "dtype", "mode": "mode", "window": "window", "group": "group",
                   "kv_blocks": "num_kv_blocks", "attention_backend": "attention_backend",
                   "cuda_graphs": "cuda_graphs", "fault_rate": "fault_rate", "fault_seed": "fault_seed",
-                  "threads": "num_threads"}
+                  "threads": "num_threads", "tensor_parallel_size": "tensor_parallel_size",
+                  "tp_reduction": "tp_reduction"}
 
 
 def configure_generate(gen: argparse.ArgumentParser) -> None:
@@ -64,6 +64,11 @@ def engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fault-rate", type=float, help="fast-path fault injection rate")
     p.add_argument("--fault-seed", type=int)
     p.add_argument("--threads", type=int, help="torch intra-op threads")
+    p.add_argument("--tensor-parallel-size", type=int,
+                   help="shard the model over this many ranks, one process each (CUDA: one GPU each; default 1)")
+    p.add_argument("--tp-reduction", choices=["gather_sum", "nccl"],
+                   help="tensor parallel all-reduce: gather_sum (default; all-gather, float32 sum in rank order) or "
+                   "nccl (NCCL all_reduce, NCCL_ALGO / NCCL_PROTO pinned to Ring / Simple unless set)")
     p.add_argument("--engine-options", type=json_object,
                    help="any other EngineConfig fields as a JSON object, e.g. '{\"verify_packing\": \"packed\"}' "
                    "(env VERBATIM_ENGINE_OPTIONS)")
@@ -110,30 +115,8 @@ def engine_config(options: Mapping[str, Any]) -> Any:
     return EngineConfig(**options)
 
 
-def configure_bench(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                       help="cuda: the GPU benchmark, with its own flags (bench --device cuda --help)")
-    bench.add_argument("--replay", action="store_true", help="replay N transcripts together vs generating them")
-    bench.add_argument("--num-prompts", type=int, default=16)
-    bench.add_argument("--max-tokens", type=int, default=64)
-    bench.add_argument("--det-shares", default="0,0.1,0.5,1", help="comma-separated deterministic shares")
-    bench.add_argument("--hf-batch1-prompts", type=int, default=4)
-    bench.add_argument("--replay-transcripts", type=int, default=32)
-    bench.add_argument("--replay-tokens", type=int, default=256)
-    bench.add_argument("--out-dir", default="bench/results")
-    bench.add_argument("--tag", default="", help="suffix for the result file name")
-    bench.add_argument("--model", default="default",
-                       help="'default', a model folder, a .gguf file or a Hugging Face id (no env default)")
-    bench.add_argument("--window", type=int, default=32)
-    bench.add_argument("--group", type=int, default=8)
-    bench.add_argument("--kv-blocks", type=int, default=514)
-    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
-    bench.set_defaults(run=cmd_bench)
-
-
 COMMANDS: list[Command] = [
     ("generate", "generate a completion and print text and DVR statistics", configure_generate),
-    ("bench", "throughput benchmark (or --replay) -> bench/results/*.json", configure_bench),
 ]
 
 
@@ -156,12 +139,12 @@ def cmd_generate(a: argparse.Namespace, env: Mapping[str, str] | None = None) ->
     params = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, top_k=a.top_k,
                             seed=a.seed, stop=a.stop, stop_token_ids=a.stop_token_id, ignore_eos=a.ignore_eos,
                             logprobs=a.logprobs, deterministic=a.deterministic)
-    llm = LLM(cfg)
-    name = a.served_model_name or env.get(ENV_PREFIX + "SERVED_MODEL_NAME") or llm.model_info.name
-    if a.chat:
-        out = llm.chat([{"role": "user", "content": a.prompt}], params)[0]
-    else:
-        out = llm.generate([a.prompt], params)[0]
+    with LLM(cfg) as llm:
+        name = a.served_model_name or env.get(ENV_PREFIX + "SERVED_MODEL_NAME") or llm.model_info.name
+        if a.chat:
+            out = llm.chat([{"role": "user", "content": a.prompt}], params)[0]
+        else:
+            out = llm.generate([a.prompt], params)[0]
     if a.json:
         print(json.dumps({"model": name, **vars(out)}, default=str))
         return 0
@@ -173,47 +156,8 @@ def cmd_generate(a: argparse.Namespace, env: Mapping[str, str] | None = None) ->
     return 0
 
 
-def cmd_bench(a: argparse.Namespace) -> int:
-    from engine import progress
-    from engine.bench import BenchArgs, format_table, run_bench
-
-    progress.log_to_stderr()
-    args = BenchArgs(model=a.model, num_prompts=a.num_prompts, max_tokens=a.max_tokens,
-                     det_shares=tuple(float(x) for x in a.det_shares.split(",")), window=a.window, group=a.group,
-                     num_kv_blocks=a.kv_blocks, threads=a.threads, hf_batch1_prompts=a.hf_batch1_prompts,
-                     out_dir=a.out_dir, replay=a.replay, replay_transcripts=a.replay_transcripts,
-                     replay_tokens=a.replay_tokens, tag=a.tag)
-    result, path = run_bench(args)
-    print(format_table(result))
-    print(f"written: {path}")
-    return 0
-
-
-def wants_cuda_bench(argv: list[str]) -> bool:
-    """`bench --device cuda ...`, or `bench --compare-modes` (a GPU benchmark) unless --device cpu is given."""
-    if argv[:1] != ["bench"]:
-        return False
-    pairs = list(zip(argv, argv[1:]))
-    if "--device=cuda" in argv or ("--device", "cuda") in pairs:
-        return True
-    return "--compare-modes" in argv and "--device=cpu" not in argv and ("--device", "cpu") not in pairs
-
-
-def cuda_bench(argv: list[str]) -> int:
-    """`bench --device cuda ...`: the GPU benchmarks live in their own modules (triton imports stay lazy)."""
-    if "--replay" in argv:
-        from engine.bench_replay_gpu import main as replay_main
-
-        return replay_main(argv[1:])
-    from engine.bench_gpu import main as gpu_main
-
-    return gpu_main(argv[1:])
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if wants_cuda_bench(argv):
-        return cuda_bench(argv)
     a = build_parser().parse_args(argv)
     try:
         return int(a.run(a) or 0)

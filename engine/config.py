@@ -29,6 +29,14 @@ DEFAULT_VERIFY_DECODE_ROWS = 64
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 
 
+# verify cadence (EngineConfig.verify_cadence_steps): decode steps a deterministic row waits at most for its
+# verify pass while the running batch is small. CPU: the largest k that streams 64 tokens in 4 chunks (a pass
+# there costs some 35 decode steps: bench/results/2026-12-05-cpu). CUDA: below the 16-step chunk gap the H200
+# target allows; bench/stream_bench.py measures the candidates
+DEFAULT_CUDA_VERIFY_CADENCE_STEPS = 12
+DEFAULT_CPU_VERIFY_CADENCE_STEPS = 20
+
+
 # running sequences on CUDA when the KV budget allows it (the decode graphs' largest batch size), and the token
 # slots per sequence the budget must hold for that many; a smaller budget gets proportionally fewer sequences
 DEFAULT_CUDA_MAX_NUM_SEQS = 256
@@ -44,6 +52,78 @@ def resolve_max_num_seqs(value: int | None, usable_kv_slots: int) -> int:
     if value is not None:
         return value
     return max(1, min(DEFAULT_CUDA_MAX_NUM_SEQS, usable_kv_slots // CUDA_SEQ_SIZING_TOKENS))
+
+
+def _check(ok: bool, field: str, limit: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{field}: {limit}")
+
+
+QUERY_TILES = (16, 32, 64)  # the query-tile heights of the canonical kernels (rows of one MMA tile)
+# The canonical (no-split) kernels' fixed tile: changing any of these is a new kernel, with a new id.
+PAGED_KERNEL_VERSION = "triton-paged-v2"
+PREFILL_BLOCK_N = 64
+PREFILL_NUM_WARPS = 4
+PREFILL_NUM_STAGES = 2
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    """Launch settings of the Triton paged-attention kernels (CUDA), fixed for an engine's lifetime and passed
+    to its attention backend. `kernel_id()` names the ones that change committed bits (the runtime
+    fingerprint carries it); the others change speed only."""
+
+    query_tile: int = 16
+    """Rows of the canonical kernels' query tile (prefill, verify, canonical decode). Changes committed bits.
+    16: a canonical decode row packs its GQA group into one tile, so 16 rows leave 12 dead MMA rows where 64
+    would leave 60 (Llama-3.1-8B)."""
+    chunk: int = 256
+    """Keys per absolute chunk of the canonical kernels, each reduced alone then merged in increasing order (a
+    multiple of 64). Changes committed bits."""
+    prefill_pass_tile: int | None = None
+    """Query tile of plain prefill passes of the split-decode backend (modes dvr and nondeterministic); None:
+    `query_tile`. A DVR prompt's first token comes from a prefill pass, so it changes committed bits."""
+    fuse_rope_canonical: bool = True
+    """RoPE and the K/V store inside the canonical decode kernel (decode steps with canonical rows and every
+    decode step of mode batch_invariant): one launch fewer, the same bits."""
+    concurrent_carried: bool = False
+    """A verify pass's carried decode rows on a second stream beside its verify rows: the same bits."""
+    decode_num_warps: int = 4
+    """Warps of the split-KV decode kernel (fast path only)."""
+    decode_num_stages: int = 2
+    """Pipeline stages of the split-KV decode kernel (fast path only)."""
+    chunk_programs: int = 2048
+    """Programs per launch the canonical decode kernel aims at, sharing each row's key chunks (0: one program
+    per chunk of the block table). The bits do not depend on it."""
+
+    def __post_init__(self) -> None:
+        _check(self.query_tile in QUERY_TILES, "kernels.query_tile", f"one of {QUERY_TILES}, got {self.query_tile}")
+        _check(self.chunk >= PREFILL_BLOCK_N and self.chunk % PREFILL_BLOCK_N == 0, "kernels.chunk",
+               f"a positive multiple of {PREFILL_BLOCK_N}, got {self.chunk}")
+        _check(self.prefill_pass_tile is None or self.prefill_pass_tile in QUERY_TILES, "kernels.prefill_pass_tile",
+               f"None or one of {QUERY_TILES}, got {self.prefill_pass_tile}")
+        _check(self.decode_num_warps in (1, 2, 4, 8, 16), "kernels.decode_num_warps",
+               f"a power of two in [1, 16], got {self.decode_num_warps}")
+        _check(self.decode_num_stages >= 1, "kernels.decode_num_stages", f"must be >= 1, got {self.decode_num_stages}")
+        _check(self.chunk_programs >= 0, "kernels.chunk_programs", f"must be >= 0, got {self.chunk_programs}")
+
+    @property
+    def prefill_tile(self) -> int:
+        """The query tile of plain prefill passes."""
+        return self.query_tile if self.prefill_pass_tile is None else self.prefill_pass_tile
+
+    def canonical_kernel_id(self) -> str:
+        """The verifier's kernels (and every kernel of mode batch_invariant): tile shapes and chunk."""
+        return (f"{PAGED_KERNEL_VERSION}-m{self.query_tile}n{PREFILL_BLOCK_N}w{PREFILL_NUM_WARPS}"
+                f"c{self.chunk}")
+
+    def kernel_id(self) -> str:
+        """canonical_kernel_id, and the plain prefill passes' tile where it differs (`-p<rows>`)."""
+        p = self.prefill_tile
+        return self.canonical_kernel_id() + ("" if p == self.query_tile else f"-p{p}")
+
+
+DEFAULT_KERNEL_SETTINGS = KernelSettings()
 
 
 class Mode(str, enum.Enum):
@@ -162,6 +242,27 @@ class EngineConfig:
                                         # (where the two are the same rule). The H200 figures of packed passes are at
                                         # "tokens", which takes more decode steps on the short mix than padded passes;
                                         # "windows" is not measured on a GPU. Never changes a committed bit.
+    tensor_parallel_size: int = 1       # ranks the model is sharded over, one process each (engine.parallel): one
+                                        # CUDA device per rank (NCCL), or CPU processes (gloo). Part of the runtime
+                                        # identity when > 1: the all-reduce is part of the numerics
+    tp_reduction: str = "gather_sum"    # how row-parallel partial sums are added (tensor_parallel_size > 1):
+                                        # "gather_sum" = all-gather, then a float32 sum in rank order on the device
+                                        # (batch invariant on every backend); "nccl" = NCCL's all_reduce with
+                                        # NCCL_ALGO / NCCL_PROTO pinned (Ring / Simple unless set; CUDA only;
+                                        # batch invariant at 2 ranks). Part of the runtime identity
+    # verify cadence (docs/engine.md, "Verify cadence"): while the running batch is small, verify sooner
+    verify_cadence_steps: int | None = None  # k: while at most verify_cadence_max_rows sequences run, a verify
+                                        # pass is also due once a deterministic row took k candidates (decode
+                                        # steps) since its last commit, or holds candidates and can take no
+                                        # more, and every pass then takes each deterministic row's unfinished
+                                        # window too: its tokens stream after about k steps, not W-1 and more.
+                                        # Under load (more rows) passes wait for full windows (throughput).
+                                        # 0: off. None: DEFAULT_CUDA_VERIFY_CADENCE_STEPS on CUDA,
+                                        # DEFAULT_CPU_VERIFY_CADENCE_STEPS on the CPU. Never changes a committed
+                                        # bit (window-boundary invariance; not part of the runtime identity).
+    verify_cadence_max_rows: int | None = None  # the largest running batch (sequences of any kind) at which the
+                                        # cadence applies. None: G (group)
+    kernels: KernelSettings = DEFAULT_KERNEL_SETTINGS  # the Triton attention kernels' launch settings (CUDA)
     fault_rate: float = 0.0             # probability a fast-path candidate is replaced by a wrong token
     fault_seed: int = 0
     num_threads: int | None = None      # torch intra-op threads (None: leave torch's default)
@@ -266,8 +367,26 @@ class EngineConfig:
                f"one of tokens/windows, got {self.verify_trigger!r}")
         _check(self.verify_packing == "packed" or self.verify_max_windows == self.group, "verify_max_windows",
                f"a padded verify pass holds exactly G = {self.group} windows, got {self.verify_max_windows}")
+        if self.verify_cadence_steps is None:
+            steps = DEFAULT_CUDA_VERIFY_CADENCE_STEPS if on_cuda else DEFAULT_CPU_VERIFY_CADENCE_STEPS
+            object.__setattr__(self, "verify_cadence_steps", steps)
+        _check(isinstance(self.verify_cadence_steps, int) and self.verify_cadence_steps >= 0, "verify_cadence_steps",
+               f"must be an int >= 0 (0: off) or None, got {self.verify_cadence_steps!r}")
+        if self.verify_cadence_max_rows is None:
+            object.__setattr__(self, "verify_cadence_max_rows", self.group)
+        _check(isinstance(self.verify_cadence_max_rows, int) and self.verify_cadence_max_rows >= 1,
+               "verify_cadence_max_rows", f"must be an int >= 1 or None, got {self.verify_cadence_max_rows!r}")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                f"must be >= 2, got {self.max_model_len}")
+        _check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+               "tensor_parallel_size", f"must be an int >= 1, got {self.tensor_parallel_size!r}")
+        _check(self.tp_reduction in ("gather_sum", "nccl"), "tp_reduction",
+               f"one of gather_sum/nccl, got {self.tp_reduction!r}")
+        _check(self.tp_reduction != "nccl" or on_cuda, "tp_reduction",
+               "nccl runs on CUDA only; this config resolves to the CPU (use gather_sum)")
+        _check(self.tp_reduction != "nccl" or self.mode != Mode.BATCH_INVARIANT or self.tensor_parallel_size <= 2,
+               "tp_reduction", f"nccl past 2 ranks sums in an order that follows the message size, so mode "
+               f"batch_invariant needs gather_sum at tensor_parallel_size {self.tensor_parallel_size}")
 
     @property
     def resolved_device(self) -> torch.device:
@@ -289,8 +408,3 @@ SCRATCH_BLOCK = 1  # K/V of dummy tokens / dummy rows of verify passes land here
 _DTYPES: dict[str, torch.dtype | None] = {
     "auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
 }
-
-
-def _check(ok: bool, field: str, limit: str) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig.{field}: {limit}")

@@ -19,19 +19,24 @@ import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from engine.config import EngineConfig, Mode
+from engine.grammar import GrammarError, GrammarState, TokenizerInfo, compile_grammar, tokenizer_info
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
-from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred, splitmix64
+from engine.noise import splitmix64
+from engine.processors import Slot, apply_processors
+from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred
 from engine.scheduler import Plan, PrefillItem, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
 from engine.verifier import RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, window_applies
 
 if TYPE_CHECKING:
     import torch
+
+    from engine.parallel import TensorParallel
 
 Detokenize = Callable[[list[int]], str]
 
@@ -72,13 +77,66 @@ class InflightPrefill:
     samples: PendingSamples
 
 
+@dataclass(frozen=True)
+class RequestLimits:
+    """The engine's limits on one request, checked before anything is queued (also by a serving process
+    that holds no engine: engine/engine_process.py)."""
+
+    vocab_size: int
+    max_model_len: int
+    max_num_batched_tokens: int
+    kv_slots: int
+    window: int
+
+    def validate(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit."""
+        if not prompt:
+            raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
+        params.validate()
+        if params.top_k > self.vocab_size:
+            raise ValueError(f"top_k: must be <= the vocabulary size {self.vocab_size} (0 = off), "
+                             f"got {params.top_k}")
+        over = [t for t, _ in params.logit_bias if t >= self.vocab_size]
+        if over:
+            raise ValueError(f"SamplingParams.logit_bias: token ids must be < the vocabulary size "
+                             f"{self.vocab_size}, got {over[:5]}")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        total = len(prompt) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                             f"{total} exceeds the model's context of {self.max_model_len} tokens")
+        if len(prompt) > self.max_num_batched_tokens:
+            raise ValueError(f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
+        if total + self.window > self.kv_slots:
+            raise ValueError(f"max_tokens: prompt + max_tokens + W = {total + self.window} exceeds the "
+                             f"KV budget of {self.kv_slots} token slots (num_kv_blocks)")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
-                 detokenize: Detokenize | None = None) -> None:
+                 detokenize: Detokenize | None = None, tokenizer: Any = None,
+                 tp: TensorParallel | None = None) -> None:
+        """`tokenizer` (Hugging Face): needed by grammar-constrained requests (engine.grammar). `tp`: rank 0 of a
+        tensor-parallel group (`model` is its shard): the runner sends every pass to the worker ranks
+        (engine.tp_workers)."""
+        if (tp.size if tp is not None else 1) != config.tensor_parallel_size:
+            raise ValueError(f"EngineConfig.tensor_parallel_size: {config.tensor_parallel_size} ranks need a group "
+                             f"of as many (LLM(config) / AsyncEngine(config) start it), got "
+                             f"{'none' if tp is None else tp.size}")
         self.shape = shape
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
-        self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+        self.tokenizer = tokenizer
+        self._grammar_info: TokenizerInfo | None = None
+        if tp is None:
+            self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+        else:
+            from engine.tp_workers import DriverRunner
+
+            self.runner = DriverRunner(config, model, shape, config.resolved_dtype, config.resolved_device, tp)
         self.max_model_len = self.runner.max_model_len
         # the KV budget and the running-sequence limit, resolved once by the runner (explicit, CPU default, or
         # sized from the device)
@@ -91,28 +149,36 @@ class EngineCore:
         self._inflight_prefill: InflightPrefill | None = None
 
     # ---- requests ----------------------------------------------------------------------------
+    def limits(self) -> RequestLimits:
+        """What a request must fit; constant once the engine is built."""
+        return RequestLimits(self.shape.vocab_size, self.max_model_len, self.config.max_num_batched_tokens,
+                             self.scheduler.blocks.num_usable * self.config.block_size, self.config.window)
+
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
         """Raise ValueError naming the field and the limit; nothing is queued."""
-        if not prompt:
-            raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
-        params.validate()
-        if params.top_k > self.shape.vocab_size:
-            raise ValueError(f"top_k: must be <= the vocabulary size {self.shape.vocab_size} (0 = off), "
-                             f"got {params.top_k}")
-        bad = [t for t in prompt if not 0 <= t < self.shape.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.shape.vocab_size}), got {bad[:5]}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        if len(prompt) > self.config.max_num_batched_tokens:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens "
-                             f"({self.config.max_num_batched_tokens})")
-        slots = self.scheduler.blocks.num_usable * self.config.block_size
-        if total + self.config.window > slots:
-            raise ValueError(f"max_tokens: prompt + max_tokens + W = {total + self.config.window} exceeds the "
-                             f"KV budget of {slots} token slots (num_kv_blocks)")
+        self.limits().validate(prompt, params)
+        if params.grammar is not None:
+            self.compiled_grammar(params)
+
+    def compiled_grammar(self, params: SamplingParams) -> Any:
+        """The request's grammar compiled for this model's vocabulary (cached); ValueError naming `grammar`."""
+        assert params.grammar is not None
+        if self.tokenizer is None or not self.eos_ids:
+            raise ValueError("SamplingParams.grammar: constrained decoding needs the model's tokenizer and EOS ids "
+                             "(a completed grammar allows only EOS); this engine has none")
+        if self._grammar_info is None:
+            self._grammar_info = tokenizer_info(self.tokenizer, self.shape.vocab_size, sorted(self.eos_ids))
+        try:
+            return compile_grammar(params.grammar, self._grammar_info)
+        except GrammarError as exc:
+            raise GrammarError(f"SamplingParams.{exc}") from None
+
+    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        if params.grammar is None:
+            return None
+        compiled = self.compiled_grammar(params)
+        assert self._grammar_info is not None
+        return GrammarState(compiled, self._grammar_info)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
         self.validate(prompt, params)
@@ -121,7 +187,7 @@ class EngineCore:
         dvr = params.deterministic and self.config.mode == Mode.DVR
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         seq = Sequence(request_id, list(prompt), params, seed, SeqKind.DVR if dvr else SeqKind.FAST,
-                       self._next_arrival())
+                       self._next_arrival(), grammar=self._grammar_state(params))
         return self._admit(seq)
 
     def add_replay(self, replay_id: str, prompt: list[int], tokens: list[int], params: SamplingParams,
@@ -130,7 +196,8 @@ class EngineCore:
         self.validate(prompt, params)
         assert params.seed is not None, "a replay needs the recorded seed"
         seq = Sequence(replay_id, list(prompt), params, params.seed, SeqKind.REPLAY, self._next_arrival(),
-                       tokens=list(tokens), windows=list(windows), replay=ReplayState())
+                       tokens=list(tokens), windows=list(windows), replay=ReplayState(),
+                       grammar=self._grammar_state(params))
         seq.pending_windows.extend(windows)
         return self._admit(seq)
 
@@ -144,6 +211,11 @@ class EngineCore:
             seq.status = SeqStatus.FINISHED
             seq.finish_reason = FinishReason.ABORT
         return seq
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker ranks, if any (the engine takes no step after this)."""
+        if self.runner.tp is not None:
+            self.runner.tp.close()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work() or self._inflight is not None or self._inflight_prefill is not None
@@ -194,18 +266,24 @@ class EngineCore:
         stay in flight: the next step launches the next prefill pass, if it is one, before they are read
         (`_settle_prefill`); the previous pass's samples, if any, are applied once this one is launched."""
         rows = [Row(it.tokens, 0, self._table(it.seq)) for it in plan.prefill]
-        logits = self.runner.prefill(rows, plan.pass_tokens)  # [R, vocab]
+        wanted = {i: it.seq.params.prompt_logprobs for i, it in enumerate(plan.prefill)
+                  if it.sample and it.seq.params.prompt_logprobs is not None and it.seq.prompt_logprobs is None}
+        logits, prompts = self.runner.prefill_with_prompts(rows, plan.pass_tokens, wanted)  # [R, vocab]
+        for i, got in prompts.items():
+            plan.prefill[i].seq.prompt_logprobs = got
         self.totals.prefill_passes += 1
         idx = [i for i, it in enumerate(plan.prefill) if it.sample]
         specs = [(plan.prefill[i].seq.params, plan.prefill[i].seq.seed, len(plan.prefill[i].tokens)) for i in idx]
         for it in plan.prefill:
             it.seq.kv_len = len(it.tokens)
-        pending = sample_rows_deferred(logits[idx], specs) if idx and self.config.overlap else None
+        first = logits[idx]  # [len(idx), vocab]: the first output of each sampled row (a copy)
+        self._process(first, [(plan.prefill[i].seq, 0) for i in idx])
+        pending = sample_rows_deferred(first, specs) if idx and self.config.overlap else None
         touched = self._settle_prefill()  # the pass before this one (launched behind it)
         if pending is not None:
             self._inflight_prefill = InflightPrefill([plan.prefill[i] for i in idx], pending)
             return touched + [it.seq for it in plan.prefill if not it.sample]
-        for i, res in zip(idx, sample_rows(logits[idx], specs) if idx else []):
+        for i, res in zip(idx, sample_rows(first, specs) if idx else []):
             self._after_prefill(plan.prefill[i].seq, res)
         return touched + [it.seq for it in plan.prefill]
 
@@ -249,8 +327,10 @@ class EngineCore:
         assert chain is not None or all(s.inflight == 0 for s in plan.decode), "an in-flight token with no step"
         logits = self.runner.decode(rows, chain=chain)  # [R, vocab]
         self.totals.decode_passes += 1
+        # a processed row needs its whole prefix: read the step in flight first (the device runs this one)
+        touched = self._settle() if _needs_prefix(plan.decode) else []
         pending, stays = self._launch_samples(plan.decode, logits)
-        touched = self._settle()
+        touched += self._settle()
         return touched + self._hold(plan.decode, pending, stays)
 
     def _launch_samples(self, seqs: list[Sequence], logits: torch.Tensor) -> tuple[PendingSamples, bool]:
@@ -258,6 +338,7 @@ class EngineCore:
         logits [R, vocab]: on the device without waiting (overlap), else, or where a row needs the host
         sampler (top-k / top-p, top logprobs), now. Returns the samples and whether they may stay in flight."""
         specs = [(s.params, s.seed, s.num_tokens) for s in seqs]
+        self._process(logits, [(s, s.num_tokens - s.prompt_len) for s in seqs])
         for seq in seqs:
             seq.kv_len += 1
             seq.inflight += 1
@@ -325,22 +406,29 @@ class EngineCore:
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
             [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in carried],
             chain=chain, row_chain=row_chain)
+        touched: list[Sequence] = []
+        read_first = prev is not None and _needs_prefix(carried)  # a processed carried row needs its prefix
+        if read_first:
+            touched += self._settle()
         if carried:
             assert carried_logits is not None
             pending, stays = self._launch_samples(carried, carried_logits)
             self.totals.carried_decode_rows += len(carried)
-        touched: list[Sequence] = []
         if prev is not None:
             self.totals.chained_verify_passes += 1
-            touched += self._settle()  # the step before the pass: its tokens are read now, applied first
+            if not read_first:
+                touched += self._settle()  # the step before the pass: its tokens are read now, applied first
             for row in inputs_inflight:
                 fill_inflight_input(row)
         flat = logits  # [G * W, vocab]; sampled where it lies (device or host)
         ids: list[int] = []
         specs: list[tuple[SamplingParams, int, int]] = []
+        slots: list[tuple[Sequence, int]] = []
         for row, first in zip(plan.verify, starts, strict=True):
             ids += range(first, first + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
+            slots += [(row.seq, row.start_pos + 1 + i - row.seq.prompt_len) for i in range(row.num_outputs)]
+        self._process(flat, slots, ids)  # each window position from its prefix: committed, then candidates
         early = self.config.overlap and self.config.verify_early_decode
         launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:
@@ -437,6 +525,31 @@ class EngineCore:
             return token
         return (token + 1 + h % (self.shape.vocab_size - 1)) % self.shape.vocab_size
 
+    def _process(self, logits: torch.Tensor, slots: list[tuple[Sequence, int]], rows: list[int] | None = None
+                 ) -> None:
+        """Apply the logits processors (engine.processors) in place: row rows[i] (default i) of logits is
+        sampled for the slot after slots[i] = (seq, n): its first n outputs (committed, then candidates; a
+        replay's recorded tokens). A slot whose prefix is no longer known (its step's previous token was
+        dropped: the row finished, or decoded past a stop candidate) is left as is: its sample is dropped too."""
+        if not any(seq.params.processed for seq, _ in slots):
+            return
+        rows = list(range(len(slots))) if rows is None else rows
+        outputs: dict[str, list[int]] = {}
+        picked_rows, picked = [], []
+        for r, (seq, n) in zip(rows, slots, strict=True):
+            if not seq.params.processed:
+                continue
+            out = outputs.get(seq.key)
+            if out is None:
+                out = outputs[seq.key] = seq.tokens + seq.candidates
+            if n > len(out):
+                stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], self.eos_ids)
+                assert seq.status != SeqStatus.RUNNING or stopped, ("a processed slot without its prefix", seq.request_id)
+                continue
+            picked_rows.append(r)
+            picked.append(Slot(seq.params, seq.prompt, out, n, seq.grammar, len(seq.tokens)))
+        apply_processors(logits, picked_rows, picked)
+
     def _table(self, seq: Sequence) -> list[int]:
         return self.scheduler.blocks.table(seq_key(seq))
 
@@ -451,15 +564,16 @@ class EngineCore:
             top_logprobs=[dict(d) for d in seq.top_logprobs] if seq.params.logprobs else None,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             windows=list(seq.windows), window_shape=(self.config.group, self.config.window),
+            prompt_logprobs=list(seq.prompt_logprobs.logprobs) if seq.prompt_logprobs else None,
+            prompt_top_logprobs=([dict(d) for d in seq.prompt_logprobs.top]
+                                 if seq.prompt_logprobs and seq.prompt_logprobs.top is not None else None),
             verify_passes=seq.verify_passes, rollbacks=seq.rollbacks, recomputed_tokens=seq.recomputed_tokens,
         )
 
     def text_of(self, seq: Sequence) -> str:
         if self.detokenize is None:
             return ""
-        text = self.detokenize(seq.tokens)
-        cut = _stop_at(text, seq.params.stop or [])
-        return text if cut is None else text[:cut]
+        return stop_cut(self.detokenize(seq.tokens), seq.params.stop or [])
 
     def stats(self) -> EngineStats:
         s = EngineStats(**vars(self.totals))
@@ -467,6 +581,17 @@ class EngineCore:
         s.waiting = len(self.scheduler.waiting)
         s.preemptions = self.scheduler.preemptions
         return s
+
+
+def stop_cut(text: str, stops: list[str]) -> str:
+    """The text up to the first stop string (the engine finishes a request there; its text ends before it)."""
+    cut = _stop_at(text, stops)
+    return text if cut is None else text[:cut]
+
+
+def _needs_prefix(seqs: list[Sequence]) -> bool:
+    """Some row of a step is processed and its previous token is still in flight (its prefix is not known)."""
+    return any(s.params.processed and s.inflight for s in seqs)
 
 
 def _stop_at(text: str, stops: list[str]) -> int | None:

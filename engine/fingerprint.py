@@ -1,7 +1,8 @@
 """Runtime fingerprint (DESIGN §4): everything outside the weights that can change the bits.
 
 On the CPU the GEMM blocking follows the instruction set and the thread count, so both are part of it;
-the KV block size is too, because the attention tiles are multiples of it.
+the KV block size is too, because the attention tiles are multiples of it. Under tensor parallelism the rank
+count and the all-reduce (engine.parallel) are; at one rank neither field is present.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from engine.config import EngineConfig, Mode
 from engine.kernels import DEFAULT_SPLIT_SIZE
 from engine.kernels.ops import CPU_ROW_OPS_ID
 from engine.kernels.tiles import TILE_ROWS
+from engine.grammar import GRAMMAR_LIBRARY
+from engine.processors import PROCESSORS_ID
 from engine.scheduler import CANONICAL_PREFILL_ROWS
 from engine.sampling import SAMPLER_ID, sampler_impl
 
@@ -82,25 +85,32 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "canonical_prefill_rows": CANONICAL_PREFILL_ROWS,
         "sampler": SAMPLER_ID,
         "sampler_impl": sampler_impl(device),
+        # penalties, biases and grammar masks before the sampler; the grammar library's version fixes the masks
+        "processors": PROCESSORS_ID,
+        "grammar": GRAMMAR_LIBRARY,
         "dtype": str(config.resolved_dtype).removeprefix("torch."),
     }
+    if config.tensor_parallel_size > 1:  # every GEMM's shape per rank and the all-reduce's order
+        from engine.parallel import reduction_id
+
+        fp["tensor_parallel_size"] = config.tensor_parallel_size
+        fp["tp_reduction"] = reduction_id(config.tp_reduction)
+        if config.tp_reduction == "nccl":
+            fp["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
     if config.verify_decode_rows:  # the verify pass's token count (its GEMM shape) is G*W + D
         fp["verify_decode_rows"] = config.verify_decode_rows
     if config.mode == Mode.BATCH_INVARIANT and device.type == "cuda":
         # the GEMM's tile table (its bits measured shape-independent), the paged kernels' tile shapes
-        from engine.attention.triton_paged import canonical_kernel_id
         from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
 
         fp["batch_invariant_kernels"] = "triton-paged-canonical"
         fp["bi_matmul"] = BI_MATMUL_ID
-        fp["attention_kernel"] = canonical_kernel_id()  # every pass at the verifier's tile
+        fp["attention_kernel"] = config.kernels.canonical_kernel_id()  # every pass at the verifier's tile
     elif config.mode == Mode.BATCH_INVARIANT:  # the split size and the tile kernels fix the reduction order
         fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
         fp["batch_invariant_kernels"] = f"torch-tiles-{TILE_ROWS}"
     if config.attention_backend == "triton":  # its tile shapes fix the prefill / verify reduction order
-        from engine.attention.triton_paged import KERNEL_ID
-
-        fp["attention_kernel"] = KERNEL_ID
+        fp["attention_kernel"] = config.kernels.kernel_id()
     if device.type == "cuda":  # fused norm / rope / SwiGLU row kernels (both ops objects run them on CUDA)
         from engine.kernels.triton_fused import KERNEL_ID as FUSED_KERNEL_ID
 

@@ -12,7 +12,8 @@ import torch
 from engine import progress
 from engine.config import EngineConfig
 from engine.core import EngineCore
-from engine.model_runner import ModelShape, PagedModel, load_model
+from engine.loading import load_model
+from engine.model_runner import ModelShape, PagedModel
 from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -32,8 +33,14 @@ class LLM:
             torch.set_num_threads(config.num_threads)
         loaded = load_model(config)
         eos = set(loaded.info.eos_token_ids)
-        self._attach(EngineCore(config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer)),
-                     loaded.tokenizer, loaded.info)
+        try:
+            core = EngineCore(config, loaded.model, loaded.shape, eos, detokenizer(loaded.tokenizer), loaded.tokenizer,
+                              tp=loaded.tp)
+        except BaseException:
+            if loaded.tp is not None:
+                loaded.tp.close()
+            raise
+        self._attach(core, loaded.tokenizer, loaded.info)
         progress.ready(config, loaded.info.name, started)
 
     @classmethod
@@ -41,7 +48,7 @@ class LLM:
                    tokenizer: Any = None) -> LLM:
         """An engine over an already built model (tests use a mock model, benches share weights)."""
         self = cls.__new__(cls)
-        self._attach(EngineCore(config, model, shape, eos_ids, detokenizer(tokenizer)), tokenizer, None)
+        self._attach(EngineCore(config, model, shape, eos_ids, detokenizer(tokenizer), tokenizer), tokenizer, None)
         return self
 
     def _attach(self, core: EngineCore, tokenizer: Any, info: Any) -> None:
@@ -53,6 +60,16 @@ class LLM:
     @property
     def config(self) -> EngineConfig:
         return self.core.config
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (tensor_parallel_size > 1); nothing to do otherwise."""
+        self.core.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import array
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -20,8 +20,13 @@ import torch
 from engine import progress
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
-from engine.config import RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, Mode, resolve_max_num_seqs
+from engine.config import (RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, KernelSettings, Mode,
+                           resolve_max_num_seqs)
 from engine.scheduler import CANONICAL_PREFILL_ROWS
+from engine.sequence import PromptLogprobs
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 
 class PagedModel(Protocol):
@@ -52,6 +57,35 @@ class Row:
 
 DUMMY_TOKEN = 0
 
+
+def prompt_logprobs_of(model: PagedModel, hidden: torch.Tensor, start: int, tokens: list[int], n: int
+                       ) -> PromptLogprobs:
+    """A prompt's logprobs from its prefill hidden states hidden[start : start + len(tokens)].
+
+    The logits GEMM runs on chunks of exactly CANONICAL_PREFILL_ROWS rows (the last one padded), as the
+    canonical pass's own logits GEMM does, so the bits depend only on the hidden states (for a deterministic
+    request, those of its canonical prefill: reproducible). Per position, with x = float64(float32 logits):
+    logprob = float32(x[next] - logsumexp(x)); the top n are the first n ids in the order x descending, lower
+    id first on ties, with their logprobs (the sampler's rules, engine.sampling)."""
+    m = len(tokens) - 1
+    out: list[float] = []
+    top: list[dict[int, float]] | None = [] if n else None
+    chunk = CANONICAL_PREFILL_ROWS
+    nxt_all = torch.tensor(tokens[1:], dtype=torch.int64)
+    for c in range(0, m, chunk):
+        k = min(chunk, m - c)
+        idx = torch.full((chunk,), start, dtype=torch.int64)
+        idx[:k] = torch.arange(start + c, start + c + k)
+        x = model.compute_logits(hidden[idx.to(hidden.device)]).float()[:k].double()  # [k, vocab]
+        lp = x - torch.logsumexp(x, dim=-1, keepdim=True)
+        nxt = nxt_all[c: c + k].to(x.device)
+        out += lp.gather(1, nxt[:, None])[:, 0].float().tolist()
+        if top is not None:
+            order = torch.sort(x, dim=-1, descending=True, stable=True).indices[:, :n]
+            vals = lp.gather(1, order).float().tolist()
+            top += [dict(zip(ids, v)) for ids, v in zip(order.tolist(), vals)]
+    return PromptLogprobs(out, top)
+
 Chain = tuple["torch.Tensor | None", list[int], list[int]]
 """(tokens Int64[R'] of the previous decode step on the device, dst rows, src rows): see ModelRunner.decode."""
 
@@ -74,13 +108,21 @@ class Layout:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, tp: TensorParallel | None = None) -> None:
+        """`tp`: this rank's place in a tensor-parallel group (`model` is its shard, `shape.num_kv_heads` its
+        KV heads); every rank builds its runner with the same config, and they agree on the KV budget and
+        on which CUDA graphs to use."""
         self.config = config
-        self.model = batch_invariant(model) if config.mode == Mode.BATCH_INVARIANT else model
+        # the attention kernels run under config.kernels, the settings the runtime fingerprint names
+        bi = config.mode == Mode.BATCH_INVARIANT
+        self.model = batch_invariant(model, config.kernels) if bi else with_kernels(model, config.kernels)
         self.shape = shape
         self.device = device
+        self.tp = tp
         self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)  # served context
         self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
+        if tp is not None:  # the scheduler's block tables index every rank's cache
+            self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
         # the budgets sized from the device are resolved once here, before any graph is captured for them
         seqs = resolve_max_num_seqs(config.max_num_seqs, (self.num_kv_blocks - RESERVED_BLOCKS) * config.block_size)
         self.config = config = dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks, max_num_seqs=seqs)
@@ -103,11 +145,19 @@ class ModelRunner:
         if config.cuda_graphs and device.type == "cuda":
             with progress.stage("engine: capturing CUDA graphs (decode steps per batch size, the verify pass)"):
                 self._capture_graphs()
+                if tp is not None:
+                    self._agree_on_graphs(tp)
             progress.log.info("engine: graphs %s", self.graphs_status)
 
-    @torch.inference_mode()
     def prefill(self, rows: list[Row], pass_tokens: int | None = None) -> torch.Tensor:
-        """Float32[len(rows), vocab]: the logits of each row's last token.
+        """Float32[len(rows), vocab]: the logits of each row's last token (`prefill_with_prompts`)."""
+        return self.prefill_with_prompts(rows, pass_tokens, {})[0]
+
+    @torch.inference_mode()
+    def prefill_with_prompts(self, rows: list[Row], pass_tokens: int | None, prompt_logprobs: dict[int, int]
+                             ) -> tuple[torch.Tensor, dict[int, PromptLogprobs]]:
+        """(Float32[len(rows), vocab]: the logits of each row's last token, the prompt logprobs of the rows
+        `prompt_logprobs` names, {row: their top count}: `prompt_logprobs_of`).
 
         pass_tokens: a canonical pass — dummy rows (<= DUMMY_PREFILL_ROW tokens each, K/V to the scratch
         block, keys from the zero block) pad it to exactly that many tokens, and the logits GEMM runs on
@@ -115,19 +165,24 @@ class ModelRunner:
         """
         if pass_tokens is None:
             hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
+            starts = meta.query_start_loc[:-1].tolist() if prompt_logprobs else []
             last = meta.query_start_loc[1:].long() - 1
-            return self.model.compute_logits(hidden[last]).float()
-        assert len(rows) <= CANONICAL_PREFILL_ROWS, (len(rows), CANONICAL_PREFILL_ROWS)
-        lay = self._layout(rows, pad_to=None)
-        real = len(lay.ids)
-        assert real <= pass_tokens, (real, pass_tokens)
-        lay = _pad_rows(lay, pass_tokens - real, DUMMY_PREFILL_ROW, self.config.block_size)
-        input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
-        hidden = self.model(input_ids, positions, meta, self.kv)
-        last = np.zeros(CANONICAL_PREFILL_ROWS, np.int64)
-        last[: len(rows)] = lay.query_start_loc[1: len(rows) + 1] - 1
-        idx = torch.from_numpy(last).to(self.device, non_blocking=True)
-        return self.model.compute_logits(hidden[idx]).float()[: len(rows)]
+            logits = self.model.compute_logits(hidden[last]).float()
+        else:
+            assert len(rows) <= CANONICAL_PREFILL_ROWS, (len(rows), CANONICAL_PREFILL_ROWS)
+            lay = self._layout(rows, pad_to=None)
+            real = len(lay.ids)
+            assert real <= pass_tokens, (real, pass_tokens)
+            lay = _pad_rows(lay, pass_tokens - real, DUMMY_PREFILL_ROW, self.config.block_size)
+            input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
+            hidden = self.model(input_ids, positions, meta, self.kv)
+            last = np.zeros(CANONICAL_PREFILL_ROWS, np.int64)
+            last[: len(rows)] = lay.query_start_loc[1: len(rows) + 1] - 1
+            starts = lay.query_start_loc[: len(rows)].tolist()
+            idx = torch.from_numpy(last).to(self.device, non_blocking=True)
+            logits = self.model.compute_logits(hidden[idx]).float()[: len(rows)]
+        return logits, {r: prompt_logprobs_of(self.model, hidden, starts[r], rows[r].tokens, n)
+                        for r, n in prompt_logprobs.items()}
 
     @torch.inference_mode()
     def decode(self, rows: list[Row], chain: Chain | None = None) -> torch.Tensor:
@@ -268,6 +323,15 @@ class ModelRunner:
             self.graphs_status += "+verify"
         else:
             self.graphs_status += "; verify eager (graph not bit-exact)"
+
+    def _agree_on_graphs(self, tp: TensorParallel) -> None:
+        """Every rank replays a graph family only if every rank captured it (a graph and an eager pass issue
+        the same collectives, but the verify graph is used only where it is bit-exact on every rank)."""
+        for attr in ("decode_graphs", "long_decode_graphs", "verify_graph"):
+            have = getattr(self, attr) is not None
+            if not tp.agree_min(int(have)) and have:
+                setattr(self, attr, None)
+                self.graphs_status += f"; {attr} eager (not captured on every rank)"
 
     def _forward(self, kind: PassKind, rows: list[Row], pad_to: tuple[int, int] | None,
                  chain: Chain | None = None) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -435,14 +499,23 @@ def kv_block_budget(config: EngineConfig, shape: ModelShape, dtype: torch.dtype,
     return kv_blocks_for_free_memory(per_block, config.kv_memory_share, device)
 
 
-def batch_invariant(model: PagedModel) -> PagedModel:
+def batch_invariant(model: PagedModel, kernels: KernelSettings) -> PagedModel:
     """mode=batch_invariant: the model's weights through batch-invariant GEMM / norm / SwiGLU and attention
-    (a weight-sharing view), its GEMM shapes probed once here at start-up."""
+    (a weight-sharing view, its Triton kernels launched with `kernels`), its GEMM shapes probed once here at
+    start-up."""
     from engine.models import LlamaForCausalLM, batch_invariant_view
 
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"EngineConfig.mode: batch_invariant needs an engine.models model, got {type(model).__name__}")
-    return batch_invariant_view(model)
+    return batch_invariant_view(model, kernels)
+
+
+def with_kernels(model: PagedModel, kernels: KernelSettings) -> PagedModel:
+    """An engine.models model with its attention's Triton kernels launched under `kernels` (a weight-sharing
+    view where they differ); any other PagedModel (a test double) runs as it is."""
+    from engine.models import LlamaForCausalLM
+
+    return model.with_kernels(kernels) if isinstance(model, LlamaForCausalLM) else model
 
 
 @dataclass(frozen=True)
@@ -451,10 +524,12 @@ class LoadedModel:
     shape: ModelShape
     tokenizer: object
     info: object            # engine.loader.ModelInfo (name, digests, dtype, max_model_len, eos ids)
+    tp: TensorParallel | None = None  # tensor parallel: this rank's group (rank 0 holds the workers)
 
 
-def load_model(config: EngineConfig) -> LoadedModel:
-    """Resolve config.model through the loader, build our own forward and load the weights."""
+def load_shard(config: EngineConfig, tp: TensorParallel | None = None) -> LoadedModel:
+    """Resolve config.model through the loader, build our own forward and load the weights: the whole model,
+    or with `tp` this rank's shard of it (engine.loading.load_model starts the ranks)."""
     from pathlib import Path
 
     from engine.kernels import TORCH_OPS, BatchInvariantOps
@@ -467,16 +542,17 @@ def load_model(config: EngineConfig) -> LoadedModel:
     synthetic = parse_synthetic(config.model)
     if synthetic is not None:  # seeded random weights made on the device (no files)
         with progress.stage(f"model {config.model!r}: making seeded random weights on {device}"):
-            model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops)
+            model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops,
+                                                               tp, config.kernels)
     else:
         cache = Path(config.cache_dir) if config.cache_dir else None
         source = load_model_source(config.model, dtype, cache)
         hf_config, tokenizer, info = source.hf_config, source.tokenizer, source.info
         count, as_dtype = tensor_count(source.weight_files), str(dtype).removeprefix("torch.")
         with progress.stage(f"model {info.name!r}: loading {count} tensors on {device} as {as_dtype}"):
-            model = build_model(hf_config, dtype, device, config.attention_backend, ops)
+            model = build_model(hf_config, dtype, device, config.attention_backend, ops, tp, config.kernels)
             model.load_weights(progress.track(source.weights(), "loading weights", count, "tensor"))
     arch = arch_from_hf(hf_config)
-    shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+    shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=model.num_kv_heads, head_dim=arch.head_dim,
                        vocab_size=arch.vocab_size, max_model_len=info.max_model_len)
-    return LoadedModel(model, shape, tokenizer, info)
+    return LoadedModel(model, shape, tokenizer, info, tp)

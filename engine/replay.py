@@ -33,6 +33,7 @@ class ReplayResult:
     token_logprobs: list[float]
     first_mismatch: int | None               # output index of the first predicted != recorded
     window_index: int | None                 # window holding it (None: token 0 or no mismatch)
+    prompt_logprobs: list[float] | None = None  # params.prompt_logprobs: recomputed by the canonical prefill
 
     @property
     def match(self) -> bool:
@@ -78,7 +79,8 @@ def replay_result(req: ReplayRequest, seq: Sequence) -> ReplayResult:
     win = None
     if first is not None and first > 0:
         win = next(k for k, (s, e) in enumerate(req.windows) if s <= first < e)
-    return ReplayResult(req.replay_id, list(predicted), list(seq.replay.logprobs), first, win)
+    prompt = list(seq.prompt_logprobs.logprobs) if seq.prompt_logprobs else None
+    return ReplayResult(req.replay_id, list(predicted), list(seq.replay.logprobs), first, win, prompt)
 
 
 def replay_results(requests: list[ReplayRequest], seqs: list[Sequence]) -> list[ReplayResult]:

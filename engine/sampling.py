@@ -16,7 +16,9 @@ Specification (sampler SAMPLER_ID; both implementations, numpy on the host and T
   uniform u in the open interval (0, 1), g = -log(-log(u)) in float64. The token is the argmax of s + g over
   the kept ids, lower id first on ties.
 - Top logprobs (n > 0): the first n ids in the order x descending, lower id first on ties, each with its
-  logprob as above.
+  logprob as above; ids whose logprob is -inf (masked by a grammar, engine.processors) are left out.
+- The logits are those the processors (engine.processors: penalties, logit bias, grammar mask) leave, so
+  logprobs are those of the processed distribution.
 
 There is no generator state, so a rollback needs no rewind and the fast path and the verifier draw the same
 noise for the same slot. Where the implementations can differ is in the last bits of exp / log (libdevice vs
@@ -32,12 +34,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.grammar import GrammarSpec
+from engine.kernels.triton_sampler import SAMPLER_IMPL as DEVICE_SAMPLER_IMPL
+from engine.kernels.triton_sampler import pack_params, sample_packed
+from engine.noise import gumbel, noise_keys
+
 SAMPLER_ID = "verbatim-gumbel-splitmix64-v1"
 U64_MAX = (1 << 64) - 1
 
-_GAMMA = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,26 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None             # number of top logprobs per token, when set
     deterministic: bool = False
+    # logits processors (engine.processors): functions of the row's prompt and output prefix only
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]), sorted by id, ids unique
+    presence_penalty: float = 0.0           # [-2, 2], OpenAI: over the generated tokens
+    frequency_penalty: float = 0.0          # [-2, 2], OpenAI: over the generated tokens
+    repetition_penalty: float = 1.0         # (0, 2], vLLM / HF: over the prompt and the generated tokens; 1 = off
+    grammar: GrammarSpec | None = None      # constrained decoding (engine.grammar)
+    prompt_logprobs: int | None = None      # logprob of every prompt token after the first, with that many top ones
+
+    def __post_init__(self) -> None:
+        # JSON round trips (a signed transcript's params) give lists and dicts: back to the immutable forms
+        pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        if isinstance(self.grammar, dict):
+            object.__setattr__(self, "grammar", GrammarSpec(**self.grammar))
+
+    @property
+    def processed(self) -> bool:
+        """Some logits processor applies (engine.processors): penalties, biases or a grammar."""
+        return bool(self.logit_bias or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.grammar is not None)
 
     def is_stop_token(self, token: int, eos_ids: set[int]) -> bool:
         """The token ends the request: one of stop_token_ids, or an EOS id unless ignore_eos."""
@@ -70,6 +94,20 @@ class SamplingParams:
               f"must be an unsigned 64-bit integer, got {self.seed}")
         _need(self.logprobs is None or 0 <= self.logprobs <= 20, "logprobs",
               f"must be in [0, 20], got {self.logprobs}")
+        _need(self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20, "prompt_logprobs",
+              f"must be in [0, 20], got {self.prompt_logprobs}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _need(math.isfinite(value) and -2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _need(math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0, "repetition_penalty",
+              f"must be in (0, 2] (1 = off), got {self.repetition_penalty}")
+        ids = [t for t, _ in self.logit_bias]
+        _need(len(ids) == len(set(ids)), "logit_bias", "token ids must be unique")
+        _need(all(t >= 0 for t in ids), "logit_bias", f"token ids must be >= 0, got {[t for t in ids if t < 0][:5]}")
+        bad = [b for _, b in self.logit_bias if not (math.isfinite(b) and -100.0 <= b <= 100.0)]
+        _need(not bad, "logit_bias", f"biases must be in [-100, 100], got {bad[:5]}")
+        _need(self.grammar is None or isinstance(self.grammar, GrammarSpec), "grammar",
+              f"must be a GrammarSpec, got {type(self.grammar).__name__}")
 
 
 @dataclass(frozen=True)
@@ -77,40 +115,6 @@ class SampleResult:
     token: int
     logprob: float                          # log-softmax of the float32 logits at `token`
     top_logprobs: dict[int, float] | None
-
-
-def _mix(z: np.ndarray) -> np.ndarray:
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
-
-
-def splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 output function on uint64 arrays (wrapping arithmetic)."""
-    with np.errstate(over="ignore"):
-        return _mix(x + _GAMMA)
-
-
-def noise_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
-    """The per-(seed, position) keys every vocab id's noise is hashed from, for many rows at once: uint64[N]."""
-    with np.errstate(over="ignore"):
-        return splitmix64(splitmix64(np.array(seeds, dtype=np.uint64)) ^ np.array(positions, dtype=np.uint64))
-
-
-def noise_key(seed: int, position: int) -> np.ndarray:
-    """One row's key (noise_keys of one row): uint64 array of shape [1]."""
-    return noise_keys([seed], [position])
-
-
-def uniform(seed: int, position: int, vocab_size: int) -> np.ndarray:
-    """u(seed, position, v) for v in [0, vocab): float64 in the open interval (0, 1). Shape [vocab]."""
-    with np.errstate(over="ignore"):
-        bits = splitmix64(noise_key(seed, position) ^ np.arange(vocab_size, dtype=np.uint64))
-    return ((bits >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0 ** -53)
-
-
-def gumbel(seed: int, position: int, vocab_size: int) -> np.ndarray:
-    return -np.log(-np.log(uniform(seed, position, vocab_size)))
 
 
 def sorted_prefix(scaled: np.ndarray, m: int) -> np.ndarray:
@@ -183,7 +187,7 @@ def sample_row(logits: np.ndarray, params: SamplingParams, seed: int, position: 
     top = None
     if params.logprobs:
         ids = sorted_prefix(lp, params.logprobs)[: params.logprobs]  # == stable argsort prefix, no full sort
-        top = {int(i): float(np.float32(lp[i])) for i in ids}
+        top = {int(i): float(np.float32(lp[i])) for i in ids if lp[i] != -np.inf}  # masked ids are never listed
     return SampleResult(token, float(np.float32(lp[token])), top)
 
 
@@ -193,11 +197,7 @@ HOST_SAMPLER_IMPL = "numpy-fp64"
 def sampler_impl(device: torch.device) -> str:
     """Which implementation of SAMPLER_ID runs for logits on `device` (named in the runtime fingerprint):
     the same algorithm, but libm vs libdevice and the log-sum-exp order differ in the last bits."""
-    if device.type == "cuda":
-        from engine.kernels.triton_sampler import SAMPLER_IMPL
-
-        return SAMPLER_IMPL
-    return HOST_SAMPLER_IMPL
+    return DEVICE_SAMPLER_IMPL if device.type == "cuda" else HOST_SAMPLER_IMPL
 
 
 def sample_rows(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]],
@@ -250,7 +250,8 @@ class PendingSamples:
             tops: list[dict[int, float] | None] = [None] * len(tok)
             if len(self._host) == 4 and self._top_n is not None:
                 ids, lps = self._host[2].tolist(), self._host[3].tolist()
-                tops = [dict(zip(ids[j][:n], lps[j][:n])) if n else None for j, n in enumerate(self._top_n)]
+                tops = [{i: v for i, v in zip(ids[j][:n], lps[j][:n]) if v != -math.inf} if n else None
+                        for j, n in enumerate(self._top_n)]
             self._ready = [SampleResult(t, p, top) for t, p, top in zip(tok, lp, tops)]
         return self._ready
 
@@ -270,8 +271,6 @@ def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams,
 def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
                    ) -> PendingSamples:
     """Launch the device sampler on `rows` (no host sync): every parameter of every row in one int64 tensor."""
-    from engine.kernels.triton_sampler import pack_params, sample_packed
-
     top_n = [p.logprobs or 0 for p, _, _ in specs]
     params = pack_params(rows, noise_keys([s for _, s, _ in specs], [pos for _, _, pos in specs]),
                          [float(p.temperature) for p, _, _ in specs], [p.top_k for p, _, _ in specs],

@@ -7,7 +7,9 @@ Policy per step (first that applies):
    (non-deterministic prompts ride along in all three); else a run of consecutive non-deterministic prompts batched under the token budget.
 2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
    nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
-   ready row). The pass carries the decode step of up to verify_decode_rows other rows (`Plan.decode`).
+   ready row), or — verify cadence, while at most verify_cadence_max_rows sequences run — a DVR row took
+   verify_cadence_steps candidates since its last commit. The pass carries the decode step of up to
+   verify_decode_rows other rows (`Plan.decode`).
 3. DECODE every running sequence that can take a fast-path token.
 Preemption (KV exhausted) evicts the newest running sequence; it re-enters the waiting queue's head and
 is rebuilt from its committed state (DVR: prompt alone, then its recorded windows teacher-forced).
@@ -141,8 +143,10 @@ class Scheduler:
         if exclude or not_ready:
             ready = [s for s in ready if s not in exclude and s not in not_ready]
             decodable = [s for s in decodable if s not in exclude]
-        if not decodable or self._verify_due(ready, decodable, self.step_index + 1,
-                                             known_only=self.config.chained_verify and self.chained_known_only):
+        known_only = self.config.chained_verify and self.chained_known_only
+        if not decodable or self._verify_due(ready, decodable, self.step_index + 1, known_only=known_only):
+            return None
+        if self._cadence_active() and self._cadence_due(decodable, known_only, skip=exclude | not_ready):
             return None
         need = sum(self.blocks.extra_blocks(seq_key(s), s.num_tokens) for s in decodable)
         if need > self.blocks.num_free:
@@ -178,11 +182,14 @@ class Scheduler:
         ready, decodable = self._classify()
         step = self.step_index + 1
         known_only = self.chained_known_only
-        if not ready or not self._verify_due(ready, decodable, step, known_only=known_only):
+        due = bool(ready) and self._verify_due(ready, decodable, step, known_only=known_only)
+        partial = self._cadence_active()
+        if not due and not (partial and self._cadence_due(decodable, known_only)):
             return None
+        rows = self._cadence_rows(ready, known_only) if partial else ready
         w = self.config.window
-        picks, known = self._pick_windows(ready, known_only=known_only)
-        if known_only and known < self._pick_windows(ready)[1]:
+        picks, known = self._pick_windows(rows, known_only=known_only, partial=partial)
+        if known_only and known < self._pick_windows(rows, partial=partial)[1]:
             return None
         taken = list(dict.fromkeys(s for s, _ in picks))
         if not taken:
@@ -196,6 +203,34 @@ class Scheduler:
                  else dvr_row(s, w, index, inflight=not known_only and inflight_is_candidate(s, self.eos_ids))
                  for s, index in picks]
         return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(taken)))
+
+    # ---- verify cadence (EngineConfig.verify_cadence_steps) ------------------------------------
+    def _cadence_active(self) -> bool:
+        """The running batch is small enough for the verify cadence (verify_cadence_max_rows)."""
+        k = self.config.verify_cadence_steps
+        return bool(k) and len(self.running) <= self.config.verify_cadence_max_rows  # type: ignore[operator]
+
+    def _cadence_due(self, decodable: list[Sequence], known_only: bool = False,
+                     skip: frozenset[Sequence] = frozenset()) -> bool:
+        """A verify pass is due by the cadence: a DVR row (not in `skip`) took verify_cadence_steps candidates
+        since its last commit (one per decode step it ran), or holds candidates and can take no more (a stop
+        candidate, its run-ahead cap or max_tokens). Candidates count in-flight tokens unless `known_only`."""
+        k = self.config.verify_cadence_steps
+        moving = set(decodable)
+        for s in self.running:
+            if s in skip or not _cadence_candidate(s):
+                continue
+            n = cadence_candidates(s, self.eos_ids, known_only)
+            if n >= k or (n and s not in moving):  # type: ignore[operator]
+                return True
+        return False
+
+    def _cadence_rows(self, ready: list[Sequence], known_only: bool = False) -> list[Sequence]:
+        """The rows of a pass while the cadence is active: the ready rows and every DVR row holding candidates,
+        in running order (an unfinished window rides along: the pass has its fixed shape whatever fills it)."""
+        chosen = set(ready)
+        return [s for s in self.running
+                if s in chosen or (_cadence_candidate(s) and cadence_candidates(s, self.eos_ids, known_only))]
 
     @property
     def chained_known_only(self) -> bool:
@@ -243,27 +278,29 @@ class Scheduler:
                 return True
         return False
 
-    def _window_costs(self, seq: Sequence, limit: int, known_only: bool = False) -> list[int]:
+    def _window_costs(self, seq: Sequence, limit: int, known_only: bool = False, partial: bool = False
+                      ) -> list[int]:
         """The token slots each window a ready row could give a verify pass now takes, in order (at most
         `limit` windows): W each when padded (EngineConfig.verify_packing), its own tokens when packed.
-        A teacher row gives its next recorded window."""
+        A teacher row gives its next recorded window; `partial`: a DVR row's last window may be unfinished."""
         w = self.config.window
         if seq.pending_windows:
             start, end = seq.pending_windows[0]
             sizes = [end - start] if limit > 0 else []
         else:
-            sizes = dvr_window_sizes(seq, w, self.eos_ids, limit, known_only)
+            sizes = dvr_window_sizes(seq, w, self.eos_ids, limit, known_only, partial)
         return sizes if self.config.verify_packing == "packed" else [w] * len(sizes)
 
-    def _pick_windows(self, rows: list[Sequence], known_only: bool = False) -> tuple[list[tuple[Sequence, int]], int]:
+    def _pick_windows(self, rows: list[Sequence], known_only: bool = False, partial: bool = False
+                      ) -> tuple[list[tuple[Sequence, int]], int]:
         """(picks, token slots they take): round robin over the ready rows in running order, every row's
         next window first, then the second windows of rows that ran ahead, and so on, within the pass's
         G*W token slots and verify_max_windows windows. A row whose window does not fit takes no later
         window (a row's windows stay in order, window j always after window j-1 in the pass). Padded: the
-        first G windows of that order."""
+        first G windows of that order. `partial` (verify cadence): a row's last window may be unfinished."""
         config = self.config
         cap, budget = config.verify_max_windows, config.group * config.window
-        costs = {s: self._window_costs(s, cap, known_only) for s in rows}
+        costs = {s: self._window_costs(s, cap, known_only, partial) for s in rows}
         picks: list[tuple[Sequence, int]] = []
         blocked: set[Sequence] = set()
         used = 0
@@ -392,12 +429,16 @@ class Scheduler:
         return True
 
     def _plan_verify(self, rows: list[Sequence], decodable: list[Sequence], force: bool = False) -> Plan | None:
-        """The windows `_pick_windows` takes (up to G, or as many as fit when packed), KV granted."""
-        if not rows or not (self._verify_due(rows, decodable, self.step_index) or force):
+        """The windows `_pick_windows` takes (up to G, or as many as fit when packed), KV granted; with the
+        verify cadence active, each DVR row's unfinished window too."""
+        due = bool(rows) and (self._verify_due(rows, decodable, self.step_index) or force)
+        partial = self._cadence_active()
+        if not due and not (partial and self._cadence_due(decodable)):
             return None
+        rows = self._cadence_rows(rows) if partial else rows
         w = self.config.window
         # running order (admission), not readiness: under KV pressure the oldest rows finish first
-        picks, _ = self._pick_windows(rows)
+        picks, _ = self._pick_windows(rows, partial=partial)
         taken = list(dict.fromkeys(s for s, _ in picks))
         granted = set(self._allocate([(s, verify_slots(s)) for s in taken]))
         built = [teacher_row(s) if s.pending_windows else dvr_row(s, w, index)
@@ -506,10 +547,11 @@ def dvr_windows(seq: Sequence, window: int, eos_ids: set[int], limit: int, known
     return len(dvr_window_sizes(seq, window, eos_ids, limit, known_only))
 
 
-def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, known_only: bool = False
-                     ) -> list[int]:
+def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, known_only: bool = False,
+                     partial: bool = False) -> list[int]:
     """The tokens of each window `dvr_windows` counts (dvr_row's row length: the input before the window's
-    candidates, then them): W for a full window, fewer for one ending at a stop candidate or max_tokens."""
+    candidates, then them): W for a full window, fewer for one ending at a stop candidate or max_tokens, or
+    with `partial` (verify cadence) at the row's last candidate."""
     stopped = bool(seq.candidates) and seq.params.is_stop_token(seq.candidates[-1], eos_ids)
     n = seq.num_candidates if not known_only and inflight_is_candidate(seq, eos_ids) else len(seq.candidates)
     left = seq.params.max_tokens - len(seq.tokens)  # outputs still to commit
@@ -517,12 +559,25 @@ def dvr_window_sizes(seq: Sequence, window: int, eos_ids: set[int], limit: int, 
     while len(sizes) < limit:
         first = len(sizes) * window                  # candidates before this window (incl. bonus slots)
         rest, cap = n - first, min(window - 1, left - first)
-        if rest <= 0 or cap <= 0 or (rest < cap and not stopped):
+        if rest <= 0 or cap <= 0 or (rest < cap and not stopped and not partial):
             break
         sizes.append(1 + min(rest, cap))
         if rest <= cap:                              # this window holds the last candidate
             break
     return sizes
+
+
+def cadence_candidates(seq: Sequence, eos_ids: set[int], known_only: bool = False) -> int:
+    """The verify cadence's wait of a DVR row: its candidates (the decode steps it ran since its last commit,
+    as the row took one per step), counting its token in flight unless `known_only`."""
+    inflight = not known_only and seq.inflight and inflight_is_candidate(seq, eos_ids)
+    return len(seq.candidates) + (seq.inflight if inflight else 0)
+
+
+def _cadence_candidate(seq: Sequence) -> bool:
+    """A running DVR row collecting candidates (not rebuilding recorded windows, no void token in flight)."""
+    return (seq.kind == SeqKind.DVR and seq.status == SeqStatus.RUNNING and not seq.pending_windows
+            and not seq.stale_inflight)
 
 
 def inflight_is_candidate(seq: Sequence, eos_ids: set[int]) -> bool:

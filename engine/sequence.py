@@ -15,6 +15,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.grammar import GrammarState
 from engine.sampling import SamplingParams
 
 
@@ -34,6 +35,14 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class PromptLogprobs:
+    """Of prompt tokens 1 .. L-1: logprobs[i-1] = log p(token i | tokens before it); top[i-1] its n best ids."""
+
+    logprobs: list[float]
+    top: list[dict[int, float]] | None
 
 
 @dataclass
@@ -70,6 +79,8 @@ class Sequence:
     recomputed_tokens: int = 0
     preemptions: int = 0
     ready_since: int | None = None                 # step at which it became ready for verify
+    grammar: GrammarState | None = None            # params.grammar's matcher, following the outputs' prefix
+    prompt_logprobs: PromptLogprobs | None = None  # params.prompt_logprobs: from the (first) prefill
     key: str = field(init=False, repr=False)       # KV owner in the block manager: "<kind>:<request_id>"
 
     def __post_init__(self) -> None:
@@ -139,3 +150,5 @@ class RequestOutput:
     verify_passes: int
     rollbacks: int
     recomputed_tokens: int
+    prompt_logprobs: list[float] | None = None     # params.prompt_logprobs: of prompt tokens 1 .. L-1
+    prompt_top_logprobs: list[dict[int, float]] | None = None  # their top ids, when prompt_logprobs > 0

@@ -16,13 +16,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from auditor.cli_settings import read_jwks, settings_from, storage_flags, witness_flags, witness_keys_from
+
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
-
-
-def _base() -> Any:
-    from auditor import cli
-
-    return cli
 
 
 def _time(text: str) -> dt.datetime:
@@ -45,7 +41,7 @@ def _export_parser(parser: argparse.ArgumentParser) -> None:
                         help="include prompts, outputs, token ids and salts (excluded by default)")
     parser.add_argument("-o", "--output", type=Path, help="where to write the ZIP (default ./verbatim-report-<id>.zip)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    _base().storage_flags(parser)
+    storage_flags(parser)
     parser.set_defaults(run=lambda a: asyncio.run(export(a)))
 
 
@@ -81,7 +77,7 @@ async def export(args: argparse.Namespace) -> int:
     from auditor.reports.service import REPORTS_DIR, ReportService
     from auditor.witnessing import WitnessPool
 
-    settings = _base().settings_from(args)
+    settings = settings_from(args)
     filters = ReportFilters(args.tenant, args.since, args.until, args.model, args.deterministic_only,
                             args.include_content)
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
@@ -116,7 +112,7 @@ def _verify_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--jwks", help="pin a JWKS file or http(s) URL instead of trusting the bundle's jwks.json")
     parser.add_argument("--json", action="store_true", help="print every finding as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="print passing checks too")
-    _base()._witness_flags(parser)
+    witness_flags(parser)
     parser.set_defaults(run=verify_bundle_command)
 
 
@@ -126,12 +122,12 @@ def verify_bundle_command(args: argparse.Namespace) -> int:
     from auditor.cosignature import CosignatureError
 
     try:
-        jwks = _base().read_jwks(args.jwks) if args.jwks else None
+        jwks = read_jwks(args.jwks) if args.jwks else None
     except (OSError, ValueError) as exc:
         print(f"error: cannot load the JWKS: {exc}", file=sys.stderr)
         return 2
     try:
-        witnesses, quorum = _base().witness_keys_from(args, _base().settings_from(args))
+        witnesses, quorum = witness_keys_from(args, settings_from(args))
     except (ValueError, CosignatureError) as exc:
         print(f"error: witnesses: {exc}", file=sys.stderr)
         return 2
@@ -146,19 +142,19 @@ def verify_bundle_command(args: argparse.Namespace) -> int:
 def _retention_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="retention_command", required=True)
     show = sub.add_parser("show", help="print the retention settings")
-    _base().storage_flags(show)
+    storage_flags(show)
     show.set_defaults(run=retention_show)
     put = sub.add_parser("set", help="set a tenant's (or the default) retention in days")
     put.add_argument("--tenant", help="tenant (omit to set the default)")
     put.add_argument("--days", type=int, required=True)
-    _base().storage_flags(put)
+    storage_flags(put)
     put.set_defaults(run=retention_set)
 
 
 def retention_show(args: argparse.Namespace) -> int:
     from auditor.reports.retention import load_policy
 
-    policy = load_policy(_base().settings_from(args).data_dir)
+    policy = load_policy(settings_from(args).data_dir)
     print(f"default\t{policy.default_days} days")
     for tenant, days in sorted(policy.tenants.items()):
         print(f"{tenant}\t{days} days")
@@ -168,7 +164,7 @@ def retention_show(args: argparse.Namespace) -> int:
 def retention_set(args: argparse.Namespace) -> int:
     from auditor.reports.retention import RetentionPolicy, load_policy, save_policy
 
-    data_dir = _base().settings_from(args).data_dir
+    data_dir = settings_from(args).data_dir
     policy = load_policy(data_dir)
     try:
         policy = (policy.with_tenant(args.tenant, args.days) if args.tenant
@@ -184,7 +180,7 @@ def retention_set(args: argparse.Namespace) -> int:
 
 def _purge_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tenant", help="only this tenant (default: all)")
-    _base().storage_flags(parser)
+    storage_flags(parser)
     parser.set_defaults(run=lambda a: asyncio.run(purge_command(a)))
 
 
@@ -192,7 +188,7 @@ async def purge_command(args: argparse.Namespace) -> int:
     from auditor.db.session import create_engine, create_sessionmaker
     from auditor.reports.retention import load_policy, purge
 
-    settings = _base().settings_from(args)
+    settings = settings_from(args)
     policy = load_policy(settings.data_dir)
     db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
     try:

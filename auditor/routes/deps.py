@@ -13,6 +13,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
 from auditor.auth import Authenticator, Principal
 from auditor.crypto import KeyRing
+from auditor.engine_seam import ServingEngine
 from auditor.errors import ApiError
 from auditor.ledger import Ledger
 from auditor.metrics import Metrics
@@ -39,7 +40,7 @@ class Services:
     """Console sessions: a litestar ``Store`` (Redis when ``redis_url`` is set, else in memory)."""
     redis: Any = None
     witnesses: WitnessPool | None = None
-    engine: Any = None
+    engine: ServingEngine | None = None
     completions: CompletionService | None = None
     engine_error: str | None = None
     engine_loaded: asyncio.Event = field(default_factory=asyncio.Event)

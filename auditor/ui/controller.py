@@ -159,7 +159,7 @@ class ConsoleController(Controller):
         except ApiFailure as exc:
             return _failure_page(exc, session, "error.html.j2")
         engine = request.app.state.services.engine
-        view = transcript_view(doc, safe_decoder(getattr(engine, "tokenizer", None)))
+        view = transcript_view(doc, safe_decoder(None if engine is None else engine.tokenizer))
         replay_ready = has_route(request.app, REPLAY_START) and has_route(request.app, REPLAY_STATUS)
         return render("transcript.html.j2", session=session, t=view, replay_ready=replay_ready)
 

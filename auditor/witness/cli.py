@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from auditor.checkpoint import CheckpointError, parse_verifier_key
+from auditor.cli_settings import read_jwks
 from auditor.cosignature import Cosigner, CosignatureError
 from auditor.crypto import JwksError, KeyRole, as_verifier_keys
 from auditor.witness.state import KEY_FILE, StateError, WitnessState
@@ -43,8 +44,6 @@ def _identity(parser: argparse.ArgumentParser) -> None:
 
 def trusted_logs(vkeys: Sequence[str], jwks_sources: Sequence[str]) -> dict[str, list[bytes]]:
     """``{origin: [Ed25519 public key, …]}`` from ``--log`` and ``--log-jwks`` values."""
-    from auditor.cli import read_jwks
-
     logs: dict[str, list[bytes]] = {}
     for vkey in vkeys:
         name, raw = parse_verifier_key(vkey)

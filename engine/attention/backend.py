@@ -6,6 +6,7 @@ from typing import Any, Protocol
 import torch
 
 from engine.attention.metadata import AttentionMetadata
+from engine.config import KernelSettings
 
 
 class AttentionBackend(Protocol):
@@ -19,6 +20,10 @@ class AttentionBackend(Protocol):
     otherwise, having touched nothing). The model offers it only where `ops.triton_rope(q)` holds."""
 
     name: str
+
+    def with_kernels(self, kernels: KernelSettings) -> AttentionBackend:
+        """This backend with its Triton kernels launched under `kernels` (EngineConfig.kernels): itself where
+        they already are, or where it runs none."""
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> Any:
         """Index work done once per forward pass, shared by every layer."""

@@ -24,6 +24,7 @@ import torch
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.attention.torch_backend import write_kv
 from engine.kernels.attention import DEFAULT_SPLIT_SIZE, check_shapes, query_layout, tile_paged_attention
+from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from engine.kernels.ops import Backend
 
 
@@ -43,13 +44,17 @@ class BatchInvariantAttention:
     # on the tiles path the ops have no fused write, so k and v always come
     kv_prewritten = True
 
-    def __init__(self, split_size: int = DEFAULT_SPLIT_SIZE, backend: Backend = "auto") -> None:
+    def __init__(self, split_size: int = DEFAULT_SPLIT_SIZE, backend: Backend = "auto",
+                 settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
         if split_size <= 0 or split_size & (split_size - 1):
             raise ValueError(f"split_size must be a power of two, got {split_size}")
         if backend not in ("auto", "triton", "tiles"):
             raise ValueError(f"unknown backend {backend!r}; expected auto, triton or tiles")
-        self.split_size, self.backend = split_size, backend
+        self.split_size, self.backend, self.settings = split_size, backend, settings
         self._triton: object | None = None  # the CUDA backend, made on first use
+
+    def with_kernels(self, kernels: KernelSettings) -> BatchInvariantAttention:
+        return self if kernels == self.settings else BatchInvariantAttention(self.split_size, self.backend, kernels)
 
     def _paged(self, device: torch.device) -> object | None:
         """The Triton paged backend (decode="canonical") this object runs on `device`, or None (tiles)."""
@@ -58,9 +63,9 @@ class BatchInvariantAttention:
         if self.backend == "tiles" or device.type != "cuda":
             return None
         if self._triton is None:
-            from engine.attention.triton_paged import TritonPagedAttention
+            from engine.attention.triton_backend import TritonPagedAttention
 
-            self._triton = TritonPagedAttention(decode="canonical")
+            self._triton = TritonPagedAttention(decode="canonical", settings=self.settings)
         return self._triton
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> object:
@@ -76,7 +81,7 @@ class BatchInvariantAttention:
     def forward_rope(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, plan: object, scale: float) -> torch.Tensor | None:
         """The CUDA backend's forward_rope (RoPE and the K/V store inside the canonical decode kernel, where
-        triton_paged.FUSE_ROPE_CANONICAL allows it); None on the tiles path."""
+        KernelSettings.fuse_rope_canonical allows it); None on the tiles path."""
         if isinstance(plan, BatchInvariantPlan):
             return None
         assert self._triton is not None

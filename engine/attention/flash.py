@@ -20,7 +20,8 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.attention.torch_backend import write_kv
-from engine.attention.triton_paged import TritonPagedAttention, TritonPlan
+from engine.attention.triton_backend import TritonPagedAttention, TritonPlan
+from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
 
 
 def flash_available() -> bool:
@@ -40,11 +41,14 @@ class FlashPlan:
 class FlashAttention:
     name = "flash"
 
-    def __init__(self, verify_with_flash: bool = False) -> None:
+    def __init__(self, verify_with_flash: bool = False, settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
         if not flash_available():
             raise ValueError("attention_backend 'flash' needs the flash_attn package, which is not installed")
         self.verify_with_flash = verify_with_flash
-        self.canonical = TritonPagedAttention()
+        self.canonical = TritonPagedAttention(settings=settings)
+
+    def with_kernels(self, kernels: KernelSettings) -> FlashAttention:
+        return self if kernels == self.canonical.settings else FlashAttention(self.verify_with_flash, kernels)
 
     def plan(self, meta: AttentionMetadata, block_size: int) -> FlashPlan:
         base = self.canonical.plan(meta, block_size)

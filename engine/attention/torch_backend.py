@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.metadata import AttentionMetadata, PassKind
+from engine.config import KernelSettings
 
 DEFAULT_TILE_KEYS = 64
 CANONICAL_DECODE_QUERIES = 8  # queries per canonical decode row (copies of the one query; the last counts)
@@ -77,6 +78,9 @@ class TorchAttention:
         if tile_keys < 1:
             raise ValueError(f"tile_keys must be >= 1, got {tile_keys}")
         self.tile_keys = tile_keys
+
+    def with_kernels(self, kernels: KernelSettings) -> TorchAttention:
+        return self  # no Triton kernels
 
     def tile_size(self, block_size: int) -> int:
         """Keys per tile: the smallest multiple of block_size that is >= tile_keys."""

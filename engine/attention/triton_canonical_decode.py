@@ -2,11 +2,12 @@
 
 A canonical decode row (a DVR row of a decode step, every row under mode="batch_invariant" or
 decode="canonical") must get exactly the bits `triton_paged._prefill_kernel` gives its query. That
-kernel runs one program per (row, query head) with a [BLOCK_M, BLOCK_N] = [64, 64] tile of which one
-MMA row is live, so a GQA group's K/V tiles are read once per query head and the grid is R x Hq.
+kernel runs one program per (row, query head) with a [BLOCK_M, BLOCK_N] tile (KernelSettings.query_tile
+x 64) of which one MMA row is live, so a GQA group's K/V tiles are read once per query head and the grid
+is R x Hq.
 
 Here one program per (row, KV head) puts the GROUP query heads of that KV head in MMA rows 0..GROUP-1
-of the same [64, 64] tile shape (same warps, stages, key tiles in the same absolute order, the same
+of the same tile shape (same warps, stages, key tiles in the same absolute order, the same
 online-softmax expressions), so each K/V tile is read once per group and the grid is R x Hkv. A live
 row's arithmetic is the prefill kernel's: the two differ only in which MMA row holds the query, and
 an MMA row's result does not depend on its index or on the other rows. That is a property of the
@@ -20,6 +21,8 @@ import triton
 import triton.language as tl
 
 from engine.attention import triton_paged as tp
+from engine.config import (DEFAULT_KERNEL_SETTINGS, PREFILL_BLOCK_N, PREFILL_NUM_STAGES, PREFILL_NUM_WARPS,
+                           KernelSettings)
 from engine.attention.triton_paged_kernels import load_kv_tile, merge_chunk, rope_lanes, rope_q, rope_store_kv
 
 _CHECKED: dict[tuple, bool] = {}  # check_key(...) -> agrees
@@ -28,25 +31,26 @@ _CHECKED: dict[tuple, bool] = {}  # check_key(...) -> agrees
 # is R x Hkv x P rather than one program per chunk of the table's width. A captured graph's table is as wide
 # as its family's longest row (4096 or 8192 keys: 16 or 32 chunks) while most rows hold a chunk or two, and
 # a program past its row's keys still costs a launch: R x Hkv x 32 of them on a verify pass's 64 carried
-# rows (16384 programs a layer, 512 with work). P is chosen so that R x Hkv x P reaches CHUNK_PROGRAMS
-# (capped at the table's chunk count: a small batch keeps one program per chunk); 0 keeps one program per
-# chunk. Each chunk's arithmetic and the merge order are the same for any P, so the bits do not depend on
-# it (tests compare P = 1 .. chunks against the prefill kernel).
-CHUNK_PROGRAMS = 2048
+# rows (16384 programs a layer, 512 with work). P is chosen so that R x Hkv x P reaches `programs`
+# (KernelSettings.chunk_programs; capped at the table's chunk count: a small batch keeps one program per
+# chunk); 0 keeps one program per chunk. Each chunk's arithmetic and the merge order are the same for any P,
+# so the bits do not depend on it (tests compare P = 1 .. chunks against the prefill kernel).
 
 
-def chunk_programs(num_rows: int, num_kv_heads: int, num_chunks: int) -> int:
-    """P of a launch (see CHUNK_PROGRAMS): a function of the grid's static shape, never of the rows' lengths
-    (a captured graph keeps it)."""
-    if CHUNK_PROGRAMS <= 0:
+def chunk_programs(num_rows: int, num_kv_heads: int, num_chunks: int,
+                   programs: int = DEFAULT_KERNEL_SETTINGS.chunk_programs) -> int:
+    """P of a launch aiming at `programs` programs: a function of the grid's static shape, never of the rows'
+    lengths (a captured graph keeps it)."""
+    if programs <= 0:
         return num_chunks
-    return max(1, min(num_chunks, -(-CHUNK_PROGRAMS // max(1, num_rows * num_kv_heads))))
+    return max(1, min(num_chunks, -(-programs // max(1, num_rows * num_kv_heads))))
 
 
-def check_key(device: torch.device | str, dtype: torch.dtype, group: int, head_dim: int) -> tuple:
-    """The key of `packed_matches_prefill`'s per-process result: device, dtype, head shape and the query tile
-    (triton_paged.set_query_tile), since the packed kernel copies the prefill kernel's tile."""
-    return (str(device), dtype, group, head_dim, tp.PREFILL_BLOCK_M)
+def check_key(device: torch.device | str, dtype: torch.dtype, group: int, head_dim: int,
+              settings: KernelSettings) -> tuple:
+    """The key of `packed_matches_prefill`'s per-process result: device, dtype, head shape, and the query tile
+    and chunk, since the packed kernel copies the prefill kernel's."""
+    return (str(device), dtype, group, head_dim, settings.query_tile, settings.chunk)
 
 
 @triton.jit
@@ -205,28 +209,32 @@ def canonical_decode_attention(
     out: torch.Tensor | None = None,
     only_rows: torch.Tensor | None = None,  # Int32[R]: rows with 0 return at once, their `out` untouched
     rope: tp.DecodeRope | None = None,
+    settings: KernelSettings = DEFAULT_KERNEL_SETTINGS,
 ) -> torch.Tensor:
     """The prefill kernel's output for each row's one query: P programs per (row, KV head) share its key
     chunks (`chunk_programs`), the chunks merged in order by the program that counts the last of them. Allocation-free after the first call per shape.
     rope: q is before RoPE, and the kernel rotates q and K and stores K/V at rope.slots first, as
     triton_paged.decode_attention's `rope` (the bits of rope_write_kv then this call); rows `only_rows`
-    leaves out get nothing written."""
-    block_size, num_kv_heads, group = tp._check_cache(q, k_cache, v_cache)
+    leaves out get nothing written. settings: the prefill kernel's tile and chunk whose bits it gives, and
+    the programs per launch it aims at."""
+    block_m = settings.query_tile
+    block_size, num_kv_heads, group = tp.check_cache(q, k_cache, v_cache)
     if rope is not None:
         rope.check(q, k_cache)
-    if group > tp.PREFILL_BLOCK_M:
-        raise ValueError(f"GQA group {group} does not fit a {tp.PREFILL_BLOCK_M}-row tile")
+    if group > block_m:
+        raise ValueError(f"GQA group {group} does not fit a {block_m}-row tile")
     num_rows, num_heads, head_dim = q.shape
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device) if out is None else out
-    only_rows = tp._row_mask(only_rows, num_rows)
+    only_rows = tp.row_mask(only_rows, num_rows)
     rope_args = tp.rope_launch_args(rope, q, seq_lens)
-    num_chunks = max(1, -(-block_tables.shape[1] * block_size // tp.PREFILL_CHUNK))  # static: the table width
+    num_chunks = max(1, -(-block_tables.shape[1] * block_size // settings.chunk))  # static: the table width
     ws = workspace(num_rows, num_heads, num_kv_heads, num_chunks, head_dim, q.device)
-    _canonical_decode_kernel[(num_rows, num_kv_heads, chunk_programs(num_rows, num_kv_heads, num_chunks))](
+    grid = (num_rows, num_kv_heads, chunk_programs(num_rows, num_kv_heads, num_chunks, settings.chunk_programs))
+    _canonical_decode_kernel[grid](
         q, k_cache, v_cache, out,
         seq_lens, block_tables, only_rows,
         ws.mid_m, ws.mid_l, ws.mid_acc, ws.cnt,
-        scale * tp._LOG2E,
+        scale * tp.LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -235,19 +243,21 @@ def canonical_decode_attention(
         ws.mid_m.stride(0), ws.mid_m.stride(1), ws.mid_acc.stride(0), ws.mid_acc.stride(1), ws.mid_acc.stride(2),
         ws.cnt.stride(0),
         *rope_args,
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp._next_pow2(head_dim)),
-        BLOCK_M=tp.PREFILL_BLOCK_M, BLOCK_N=tp.PREFILL_BLOCK_N, DOT_PRECISION=tp._dot_precision(q),
-        HAS_ROW_MASK=only_rows is not None, CHUNK=tp.PREFILL_CHUNK, FUSE_ROPE=rope is not None,
-        num_warps=tp.PREFILL_NUM_WARPS, num_stages=tp.PREFILL_NUM_STAGES,
+        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim, BLOCK_D=max(16, tp.next_pow2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=PREFILL_BLOCK_N, DOT_PRECISION=tp.dot_precision(q),
+        HAS_ROW_MASK=only_rows is not None, CHUNK=settings.chunk, FUSE_ROPE=rope is not None,
+        num_warps=PREFILL_NUM_WARPS, num_stages=PREFILL_NUM_STAGES,
     )
     return out
 
 
-def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int, head_dim: int) -> bool:
+def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int, head_dim: int,
+                           settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> bool:
     """Whether this kernel gives the prefill kernel's bits here (once per device, dtype, group, head_dim):
     random cache, 3 KV heads, rows whose queries sit at every MMA row index of the prefill tile and past
-    one key tile. Never called under CUDA-graph capture (it syncs): see `use_packed`."""
-    key = check_key(device, dtype, group, head_dim)
+    one key tile, at the settings' tile and chunk. Never called under CUDA-graph capture (it syncs): see
+    `use_packed`."""
+    key = check_key(device, dtype, group, head_dim, settings)
     if key not in _CHECKED:
         g = torch.Generator(device="cpu").manual_seed(20261129)
         hkv, bs = 3, 16
@@ -259,19 +269,20 @@ def packed_matches_prefill(device: torch.device, dtype: torch.dtype, group: int,
         tables = (1 + torch.randperm(len(lens) * nb, generator=g)).view(len(lens), nb).to(torch.int32).to(device)
         seq_lens = torch.tensor(lens, dtype=torch.int32, device=device)
         qsl = torch.arange(len(lens) + 1, dtype=torch.int32, device=device)
-        ref = tp.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, head_dim**-0.5, 1)
-        got = canonical_decode_attention(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5)
+        ref = tp.prefill_attention(q, k_cache, v_cache, qsl, seq_lens, tables, head_dim**-0.5, 1, settings=settings)
+        got = canonical_decode_attention(q, k_cache, v_cache, seq_lens, tables, head_dim**-0.5, settings=settings)
         _CHECKED[key] = bool(torch.equal(ref, got))
     return _CHECKED[key]
 
 
-def use_packed(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """The packed kernel where it is checked equal to the prefill kernel; the prefill kernel otherwise
-    (also under a CUDA-graph capture on a device not yet checked: both give the prefill kernel's bits)."""
+def use_packed(q: torch.Tensor, k_cache: torch.Tensor, settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> bool:
+    """The packed kernel where it is checked equal to the prefill kernel under `settings`; the prefill kernel
+    otherwise (also under a CUDA-graph capture on a device not yet checked: both give the prefill kernel's
+    bits)."""
     group, head_dim = q.shape[1] // k_cache.shape[2], q.shape[2]
-    if group > tp.PREFILL_BLOCK_M:
+    if group > settings.query_tile:
         return False
-    key = check_key(q.device, q.dtype, group, head_dim)
+    key = check_key(q.device, q.dtype, group, head_dim, settings)
     if key not in _CHECKED and q.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
-    return packed_matches_prefill(q.device, q.dtype, group, head_dim)
+    return packed_matches_prefill(q.device, q.dtype, group, head_dim, settings)

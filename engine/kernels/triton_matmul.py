@@ -8,7 +8,7 @@ beyond M are masked loads of zero and do not touch other rows.
 16-bit inputs: the tile shape follows the batch size M (`_BUCKETS`: small tiles for decode, large for
 prefill), which is only sound if the MMA bits do not depend on the tile shape. The bits were measured
 equal across 11 tile shapes (BLOCK_M 16..128, BLOCK_N 32..256, BLOCK_K 64/128) on the H200
-(`python -m engine.bench_bi_matmul`, bench/results/2026-11-29-h200/bi-matmul-probe.json), and every
+(`python -m bench bi-matmul`, bench/results/2026-11-29-h200/bi-matmul-probe.json), and every
 process re-checks it once per device and dtype before using more than one shape
 (`tile_shapes_agree`); where they disagree it falls back to the single `_FIXED` shape for every M.
 fp32 (IEEE FMA) always uses the single fixed shape.

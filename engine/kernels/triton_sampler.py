@@ -37,6 +37,8 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from engine.noise import noise_key
+
 SPLIT = 8192        # vocab ids per pass-1 program (multiple of BLOCK)
 BLOCK = 1024        # ids per chunk inside a program
 NUM_WARPS = 4
@@ -48,9 +50,7 @@ PARAM_ROWS = 7
 
 
 def row_key(seed: int, position: int) -> int:
-    """engine.sampling.noise_key(seed, position) as a signed int64 (bit pattern kept) for the kernel."""
-    from engine.sampling import noise_key
-
+    """engine.noise.noise_key(seed, position) as a signed int64 (bit pattern kept) for the kernel."""
     return int(noise_key(seed, position).view(np.int64)[0])
 
 

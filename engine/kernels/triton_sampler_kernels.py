@@ -151,42 +151,52 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
                 else:
                     jlo = jmid + 1
             jcut = jlo
+        # Each candidate c is checked by one scan of the ids before it in the order (its rank and, for top-p,
+        # the mass before it; the first scan also sums the top-p total). Only a rejected candidate pays for a
+        # second scan, the Gumbel argmax of the ids before it. min-p alone needs no check scan.
         total = tl.full((), 0.0, tl.float64)
-        if use_p:
-            for c0 in range(0, VOCAB_PAD, BLOCK_):
-                ids = c0 + tl.arange(0, BLOCK_)
-                ok = ids < vocab
-                x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
-                k32 = _order_key(x).to(tl.int64)
-                in_set = ok & ((use_k == 0) | (k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
-                w = tl.exp(x.to(tl.float64) / temp - s_max)
-                total += tl.sum(tl.where(in_set, w, 0.0), axis=0)
         c = tl.load(token_ptr + i)
+        first = tl.full((), 1, tl.int32)
         done = tl.full((), 0, tl.int32)
         while done == 0:
             sc = tl.load(base + c).to(tl.float32).to(tl.float64) / temp
             mass = tl.full((), 0.0, tl.float64)
             rank = tl.full((), 0, tl.int64)
-            nb = tl.full((), -float("inf"), tl.float64)
-            nb_id = tl.full((), 0, tl.int64)
-            for c0 in range(0, VOCAB_PAD, BLOCK_):
-                ids = c0 + tl.arange(0, BLOCK_)
-                ok = ids < vocab
-                s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
-                before = ok & ((s > sc) | ((s == sc) & (ids < c)))
-                mass += tl.sum(tl.where(before, tl.exp(s - s_max), 0.0), axis=0)
-                rank += tl.sum(before.to(tl.int64), axis=0)
-                bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
-                u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-                score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
-                cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                take = cb > nb
-                nb_id = tl.where(take, (c0 + ca).to(tl.int64), nb_id)
-                nb = tl.where(take, cb, nb)
+            if use_k | use_p:
+                for c0 in range(0, VOCAB_PAD, BLOCK_):
+                    ids = c0 + tl.arange(0, BLOCK_)
+                    ok = ids < vocab
+                    x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
+                    s = x.to(tl.float64) / temp
+                    before = ok & ((s > sc) | ((s == sc) & (ids < c)))
+                    rank += tl.sum(before.to(tl.int64), axis=0)
+                    if use_p:
+                        w = tl.exp(s - s_max)
+                        mass += tl.sum(tl.where(before, w, 0.0), axis=0)
+                        if first != 0:
+                            k32 = _order_key(x).to(tl.int64)
+                            in_set = ok & ((use_k == 0) | (k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
+                            total += tl.sum(tl.where(in_set, w, 0.0), axis=0)
+            first = 0
             kept = (((use_k == 0) | (rank < top_k)) & ((use_p == 0) | (mass < top_p * total))
                     & (sc - s_max >= log_min_p))
             done = kept.to(tl.int32)
-            c = tl.where(kept, c, nb_id)
+            if done == 0:
+                nb = tl.full((), -float("inf"), tl.float64)
+                nb_id = tl.full((), 0, tl.int64)
+                for c0 in range(0, VOCAB_PAD, BLOCK_):
+                    ids = c0 + tl.arange(0, BLOCK_)
+                    ok = ids < vocab
+                    s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
+                    before = ok & ((s > sc) | ((s == sc) & (ids < c)))
+                    bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
+                    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+                    score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
+                    cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                    take = cb > nb
+                    nb_id = tl.where(take, (c0 + ca).to(tl.int64), nb_id)
+                    nb = tl.where(take, cb, nb)
+                c = nb_id
         tl.store(token_ptr + i, c)
         x_tok = tl.load(base + c).to(tl.float32).to(tl.float64)
         tl.store(logprob_ptr + i, (x_tok - tl.load(lse_ptr + i)).to(tl.float32))

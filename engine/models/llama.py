@@ -9,26 +9,46 @@ SwiGLU go through the model's `ops`
 (engine.kernels: TORCH_OPS by default, BatchInvariantOps for mode="batch_invariant"), handed down as a
 forward argument; attention goes through the model's attention backend. `with_numerics` gives a view
 that shares the weights but runs other ops / attention.
+
+Tensor parallel (`tp`, engine.parallel): each rank builds the layers at its shard's sizes
+(engine.models.sharding: its KV heads and their query heads, its part of the MLP and of the vocabulary),
+`load_weights` takes the full HF tensors and keeps the rank's slices, o_proj and down_proj reduce their
+partial sums through `tp.all_reduce` (then add their bias), the embedding sums the ranks' lookups and
+`compute_logits` gathers the vocabulary columns, so every rank sees full rows. Without `tp` none of this
+runs.
 """
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from engine.attention import AttentionBackend, AttentionMetadata, KVCache
+from engine.config import KernelSettings
 from engine.kernels import TORCH_OPS, Ops
 from engine.models.arch import LlamaArch
 from engine.models.rope import rope_table
+from engine.models.sharding import ShardPlan
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 _IGNORED_WEIGHTS = ("rotary_emb.inv_freq",)
 
 
 def _linear(ops: Ops, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return ops.linear(x, layer.weight, layer.bias)
+
+
+def _row_linear(ops: Ops, layer: nn.Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
+    """A row-parallel projection: this rank's partial sums, reduced over the ranks, then the bias once."""
+    if tp is None:
+        return ops.linear(x, layer.weight, layer.bias)
+    out = tp.all_reduce(ops.linear(x, layer.weight, None))
+    return out if layer.bias is None else out + layer.bias
 
 
 class RMSNorm(nn.Module):
@@ -64,14 +84,17 @@ class FusedLinear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, shard: ShardPlan | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         h, d = arch.hidden_size, arch.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, d
+        heads, kv_heads = (arch.num_heads, arch.num_kv_heads) if shard is None else (shard.num_heads,
+                                                                                      shard.num_kv_heads)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.tp = heads, kv_heads, d, tp
         self.scale = d**-0.5
-        parts = {"q_proj": arch.num_heads * d, "k_proj": arch.num_kv_heads * d, "v_proj": arch.num_kv_heads * d}
+        parts = {"q_proj": heads * d, "k_proj": kv_heads * d, "v_proj": kv_heads * d}
         self.qkv_proj = FusedLinear(h, parts, bias=arch.qkv_bias, dtype=dtype)
-        self.o_proj = nn.Linear(arch.num_heads * d, h, bias=arch.o_bias, dtype=dtype)
+        self.o_proj = nn.Linear(heads * d, h, bias=arch.o_bias, dtype=dtype)
         self.q_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
         self.k_norm = RMSNorm(d, arch.rms_norm_eps, dtype) if arch.qk_norm else None
 
@@ -100,7 +123,7 @@ class Attention(nn.Module):
         out = forward_rope(q, k, v, cos_sin, k_cache, v_cache, plan, self.scale) if in_attention else None
         if out is None:
             out = self._rope_then_attend(q, k, v, cos_sin, plan, k_cache, v_cache, backend, ops)
-        return _linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim))
+        return _row_linear(ops, self.o_proj, out.reshape(t, self.num_heads * self.head_dim), self.tp)
 
     def _rope_then_attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor, plan: Any,
                           k_cache: torch.Tensor, v_cache: torch.Tensor, backend: AttentionBackend, ops: Ops
@@ -117,22 +140,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, shard: ShardPlan | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        h, i, b = arch.hidden_size, arch.intermediate_size, arch.mlp_bias
+        h, b = arch.hidden_size, arch.mlp_bias
+        i = arch.intermediate_size if shard is None else shard.intermediate_size
         self.gate_up_proj = FusedLinear(h, {"gate_proj": i, "up_proj": i}, bias=b, dtype=dtype)
         self.down_proj = nn.Linear(i, h, bias=b, dtype=dtype)
+        self.tp = tp
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:  # x [T, H]
         gate, up = self.gate_up_proj.split(_linear(ops, self.gate_up_proj, x))  # [T, I] views of [T, 2I]
-        return _linear(ops, self.down_proj, ops.silu_mul(gate, up))  # [T, H]
+        return _row_linear(ops, self.down_proj, ops.silu_mul(gate, up), self.tp)  # [T, H]
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, shard: ShardPlan | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, dtype)
-        self.mlp = MLP(arch, dtype)
+        self.self_attn = Attention(arch, dtype, shard, tp)
+        self.mlp = MLP(arch, dtype, shard, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
@@ -157,22 +184,27 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, shard: ShardPlan | None = None,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DecoderLayer(arch, dtype) for _ in range(arch.num_layers))
+        vocab = arch.vocab_size if shard is None else shard.vocab_per_rank
+        self.embed_tokens = nn.Embedding(vocab, arch.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DecoderLayer(arch, dtype, shard, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype)
 
 
 class LlamaForCausalLM(nn.Module):
     """model(input_ids[T], positions[T], meta, kv) -> hidden [T, H]; compute_logits -> float32 [N, vocab]."""
 
-    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: AttentionBackend, ops: Ops = TORCH_OPS
-                 ) -> None:
+    def __init__(self, arch: LlamaArch, dtype: torch.dtype, backend: AttentionBackend, ops: Ops = TORCH_OPS,
+                 tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.arch, self.dtype, self.attention, self.ops = arch, dtype, backend, ops
-        self.model = LlamaModel(arch, dtype)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False, dtype=dtype)
+        self.tp = tp
+        self.shard = None if tp is None else ShardPlan.build(arch, tp.rank, tp.size)
+        self.model = LlamaModel(arch, dtype, self.shard, tp)
+        vocab = arch.vocab_size if self.shard is None else self.shard.vocab_per_rank
+        self.lm_head = nn.Linear(arch.hidden_size, vocab, bias=False, dtype=dtype)
         self.register_buffer("rope", torch.empty(0), persistent=False)
 
     def materialize(self, device: torch.device | str) -> None:
@@ -197,6 +229,12 @@ class LlamaForCausalLM(nn.Module):
         view.ops, view.attention = ops, attention
         return view
 
+    def with_kernels(self, kernels: KernelSettings) -> LlamaForCausalLM:
+        """This model with its attention's Triton kernels launched under `kernels`: itself where they already
+        are, else a weight-sharing view (with_numerics)."""
+        attention = self.attention.with_kernels(kernels)
+        return self if attention is self.attention else self.with_numerics(self.ops, attention)
+
     def linear_shapes(self) -> list[tuple[int, int]]:
         """(N, K) of every weight that goes through ops.linear, sorted, without repeats."""
         shapes = {(m.out_features, m.in_features) for m in self.modules() if isinstance(m, nn.Linear)}
@@ -212,20 +250,38 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, H]
         plan = self.attention.plan(meta, kv.block_size)
         cos_sin = self.rope.index_select(0, positions).to(self.dtype)  # [T, 2, D]
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self._embed(input_ids), None
         for i, layer in enumerate(self.model.layers):
             x, residual = layer(x, residual, cos_sin, plan, kv.k[i], kv.v[i], self.attention, self.ops)
         return self.model.norm.add(x, residual, self.ops)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+        if self.shard is None or self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        # vocabulary parallel: each rank looks up the ids in its rows, zeros for the others; the sum over
+        # the ranks adds one row to zeros, so it is exact whatever the reduction
+        start, end = self.shard.vocab
+        mine = (input_ids >= start) & (input_ids < end)
+        rows = self.model.embed_tokens(torch.where(mine, input_ids - start, 0))
+        return self.tp.all_reduce(torch.where(mine.unsqueeze(1), rows, 0.0))
+
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] -> float32 [N, vocab]. For invariant logits keep N fixed (e.g. all G*W rows)."""
-        return _linear(self.ops, self.lm_head, hidden).float()
+        logits = _linear(self.ops, self.lm_head, hidden)
+        if self.tp is not None:  # [N, vocab_per_rank] per rank, gathered in the model dtype (the cast is exact)
+            logits = self.tp.gather_columns(logits, self.arch.vocab_size)
+        return logits.float()
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this model's cache holds (its shard's under tensor parallelism)."""
+        return self.arch.num_kv_heads if self.shard is None else self.shard.num_kv_heads
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         a = self.arch
         return KVCache.allocate(
-            a.num_layers, num_blocks, block_size, a.num_kv_heads, a.head_dim, self.dtype, self.device
+            a.num_layers, num_blocks, block_size, self.num_kv_heads, a.head_dim, self.dtype, self.device
         )
 
     def hf_weights(self) -> dict[str, torch.Tensor]:
@@ -244,7 +300,8 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in (cast to the model dtype); ValueError on unknown, misshaped or missing."""
+        """Copy HF-named tensors in (cast to the model dtype); ValueError on unknown, misshaped or missing.
+        Under tensor parallelism the tensors are the full ones; the rank keeps its slice (ShardPlan)."""
         params = self.hf_weights()
         tied = self.arch.tie_word_embeddings
         loaded: set[str] = set()
@@ -253,6 +310,8 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name not in params:
                 raise ValueError(f"model: unexpected weight {name!r} for {self.arch.architecture}")
+            if self.shard is not None:
+                tensor = self._shard_of(name, tensor)
             if tuple(tensor.shape) != tuple(params[name].shape):
                 expected = tuple(params[name].shape)
                 raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {expected}")
@@ -261,3 +320,26 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded - ({"lm_head.weight"} if tied else set()))
         if missing:
             raise ValueError(f"model: {len(missing)} weights missing, first: {missing[:5]}")
+
+    def _shard_of(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full HF tensor `name`; ValueError when the full tensor is misshaped."""
+        assert self.shard is not None
+        where = self.shard.slice_of(name)
+        if where is not None:
+            dim, _, _ = where
+            full = self._full_sizes(name)
+            if tensor.dim() <= dim or tensor.shape[dim] != full:
+                raise ValueError(f"model: weight {name!r} has shape {tuple(tensor.shape)}, expected {full} "
+                                 f"along dim {dim}")
+        return self.shard.shard(name, tensor)
+
+    def _full_sizes(self, name: str) -> int:
+        """The unsharded size of HF tensor `name` along its sharded dim."""
+        a = self.arch
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            return a.vocab_size
+        if ".q_proj." in name or name.endswith("o_proj.weight"):
+            return a.num_heads * a.head_dim
+        if ".k_proj." in name or ".v_proj." in name:
+            return a.num_kv_heads * a.head_dim
+        return a.intermediate_size

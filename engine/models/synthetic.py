@@ -26,13 +26,18 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from engine.kernels import TORCH_OPS, Ops
 from engine.models import build_model
 from engine.models.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from engine.parallel import TensorParallel
 
 SYNTHETIC_PREFIX = "synthetic:"
 
@@ -84,30 +89,69 @@ def parse_synthetic(name: str) -> str | None:
     return name[len(SYNTHETIC_PREFIX):] if name.startswith(SYNTHETIC_PREFIX) else None
 
 
+def _draw_(name: str, param: torch.Tensor, gen: torch.Generator, num_layers: int, logit_scale: float,
+           peaked: bool) -> None:
+    """Fill HF weight `name` in place with its seeded random values (the next draws of `gen`)."""
+    if name.endswith("norm.weight"):
+        param.fill_(1.0)
+    elif name.endswith(".bias"):
+        param.zero_()
+    elif name == "model.embed_tokens.weight":
+        param.normal_(0.0, 1.0, generator=gen)
+    elif name == "lm_head.weight":
+        param.normal_(0.0, logit_scale / math.sqrt(param.shape[1]), generator=gen)
+    else:  # [out, in] projection; peaked: residual branches scaled by 1/sqrt(2L), as GPT-2 initialises
+        branch = peaked and name.endswith(("o_proj.weight", "down_proj.weight"))
+        scale = 1.0 / math.sqrt(2 * num_layers) if branch else 1.0
+        param.normal_(0.0, scale / math.sqrt(param.shape[1]), generator=gen)
+
+
+def _peaked_head(embed: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """lm_head row v = the embedding of token v-1, scaled (the peaked logits)."""
+    return torch.roll(embed, 1, dims=0) * (logit_scale / math.sqrt(embed.shape[1]))
+
+
 @torch.no_grad()
 def fill_random_(model: LlamaForCausalLM, seed: int, logit_scale: float = 1.0, peaked: bool = False) -> None:
     """Overwrite every parameter in place with seeded random values drawn on its own device."""
     gen = torch.Generator(device=model.device).manual_seed(seed)
+    if peaked and model.arch.tie_word_embeddings:
+        raise ValueError("peaked synthetic logits need an untied lm_head")
     # HF names in parameter order (deterministic; tied weights once): a fused qkv / gate_up weight is
     # drawn part by part, so the values are those of separate q/k/v and gate/up weights
     for name, param in model.hf_weights().items():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        elif name == "model.embed_tokens.weight":
-            param.normal_(0.0, 1.0, generator=gen)
-        elif name == "lm_head.weight":
-            param.normal_(0.0, logit_scale / math.sqrt(param.shape[1]), generator=gen)
-        else:  # [out, in] projection; peaked: residual branches scaled by 1/sqrt(2L), as GPT-2 initialises
-            branch = peaked and name.endswith(("o_proj.weight", "down_proj.weight"))
-            scale = 1.0 / math.sqrt(2 * model.arch.num_layers) if branch else 1.0
-            param.normal_(0.0, scale / math.sqrt(param.shape[1]), generator=gen)
+        _draw_(name, param, gen, model.arch.num_layers, logit_scale, peaked)
     if peaked:
-        if model.arch.tie_word_embeddings:
-            raise ValueError("peaked synthetic logits need an untied lm_head")
-        embed = model.model.embed_tokens.weight
-        model.lm_head.weight.copy_(torch.roll(embed, 1, dims=0) * (logit_scale / math.sqrt(embed.shape[1])))
+        model.lm_head.weight.copy_(_peaked_head(model.model.embed_tokens.weight, logit_scale))
+
+
+@torch.no_grad()
+def random_hf_weights(hf_config: Any, seed: int, dtype: torch.dtype, device: torch.device | str,
+                      logit_scale: float = 1.0, peaked: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, full tensor) with the values `fill_random_` gives a whole model, one tensor at a time on
+    `device`: a tensor-parallel rank loads them and keeps its slices (`LlamaForCausalLM.load_weights`)."""
+    from engine.attention import get_backend
+    from engine.models import arch_from_hf
+
+    arch = arch_from_hf(hf_config)
+    if peaked and arch.tie_word_embeddings:
+        raise ValueError("peaked synthetic logits need an untied lm_head")
+    with torch.device("meta"):  # the whole model's names and shapes, no memory
+        whole = LlamaForCausalLM(arch, dtype, get_backend("torch"))
+    if arch.tie_word_embeddings:
+        whole.lm_head.weight = whole.model.embed_tokens.weight
+    gen = torch.Generator(device=device).manual_seed(seed)
+    embed = None
+    for name, meta in whole.hf_weights().items():
+        if peaked and name == "lm_head.weight":  # the last weight: its draws would be overwritten
+            assert embed is not None
+            yield name, _peaked_head(embed, logit_scale)
+            continue
+        tensor = torch.empty(meta.shape, dtype=dtype, device=device)
+        _draw_(name, tensor, gen, arch.num_layers, logit_scale, peaked)
+        if name == "model.embed_tokens.weight":
+            embed = tensor
+        yield name, tensor
 
 
 def build_synthetic_model(
@@ -118,10 +162,11 @@ def build_synthetic_model(
     attention_backend: str = "torch",
     logit_scale: float = 1.0,
     peaked: bool = False,
+    kernels: KernelSettings = DEFAULT_KERNEL_SETTINGS,
 ) -> LlamaForCausalLM:
     """Build the architecture and fill it on `device` (no host copy of the weights is ever made)."""
     hf_config = synthetic_hf_config(preset_or_config) if isinstance(preset_or_config, str) else preset_or_config
-    model = build_model(hf_config, dtype, device, attention_backend)
+    model = build_model(hf_config, dtype, device, attention_backend, kernels=kernels)
     fill_random_(model, seed, logit_scale, peaked)
     return model
 
@@ -176,14 +221,19 @@ def synthetic_tokenizer(vocab_size: int) -> Any:
 
 
 def load_synthetic(spec: str, dtype: torch.dtype, device: torch.device, attention_backend: str,
-                   ops: Ops = TORCH_OPS) -> tuple[LlamaForCausalLM, Any, Any, Any]:
-    """(model, hf_config, tokenizer, loader.ModelInfo) of `synthetic:<spec>` (`synthetic_recipe`), seed 0."""
+                   ops: Ops = TORCH_OPS, tp: TensorParallel | None = None,
+                   kernels: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> tuple[LlamaForCausalLM, Any, Any, Any]:
+    """(model, hf_config, tokenizer, loader.ModelInfo) of `synthetic:<spec>` (`synthetic_recipe`), seed 0;
+    with `tp`, this rank's shard of the same weights."""
     from engine.loader import ModelInfo, sha256_bytes
 
     preset, peaked = synthetic_recipe(spec)
     hf_config = synthetic_hf_config(preset)
-    model = build_model(hf_config, dtype, device, attention_backend, ops)
-    fill_random_(model, seed=0, peaked=peaked)
+    model = build_model(hf_config, dtype, device, attention_backend, ops, tp, kernels)
+    if tp is None:
+        fill_random_(model, seed=0, peaked=peaked)
+    else:
+        model.load_weights(random_hf_weights(hf_config, 0, dtype, device, peaked=peaked))
     tokenizer = synthetic_tokenizer(hf_config.vocab_size)
     info = ModelInfo(
         name=SYNTHETIC_PREFIX + spec,

@@ -1,4 +1,5 @@
-"""A small stand-in for ``engine.AsyncEngine`` with the exact seam of docs/engine.md.
+"""A small stand-in for ``engine.AsyncEngine``: it satisfies ``auditor.engine_seam.ServingEngine`` with the
+engine's own data types (RequestOutput, EngineStats, ModelInfo, EngineConfig).
 
 Test-only. Tokens are a pure function of (prompt ids, seed, position) when deterministic, random
 otherwise; commits arrive in windows of ``window`` tokens with a short sleep between them so that
@@ -12,10 +13,14 @@ import hashlib
 import secrets
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-from engine.sampling import SamplingParams
+from engine import EngineConfig, ReplayRequest, ReplayResult, RequestOutput, SamplingParams
+from engine.async_engine import ReplayProgress
+from engine.core import EngineStats
+from engine.loader import ModelInfo
+from engine.replay import check_replay
 
 LAST_OUTPUTS_KEPT = 1024
 """Like the real engine, only the most recent outputs are kept for ``last_output`` / ``abort``."""
@@ -30,11 +35,17 @@ class CharTokenizer:
     eos_token_id = EOS_ID
     chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}<assistant>"
 
+    def __len__(self) -> int:
+        return len(VOCAB) + 1
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [VOCAB.index(c) if c in VOCAB else VOCAB.index(" ") for c in text.lower()]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return "".join(VOCAB[i] for i in ids if i < len(VOCAB))
+
+    def __len__(self) -> int:
+        return len(VOCAB) + 1  # the characters and EOS
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *, tokenize: bool = False,
                             add_generation_prompt: bool = True, **_: Any) -> str | list[int]:
@@ -42,64 +53,39 @@ class CharTokenizer:
         return self.encode(text) if tokenize else text
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str = "fake-model"
-    weights_digest: str = "sha256:" + "11" * 32
-    tokenizer_digest: str = "sha256:" + "22" * 32
-    chat_template_digest: str = "sha256:" + "33" * 32
-    dtype: str = "float32"
-    max_model_len: int = 512
-    eos_token_ids: tuple[int, ...] = (EOS_ID,)
+MODEL_INFO = ModelInfo(name="fake-model", weights_digest="sha256:" + "11" * 32, tokenizer_digest="sha256:" + "22" * 32,
+                       chat_template_digest="sha256:" + "33" * 32, dtype="float32", max_model_len=512,
+                       eos_token_ids=(EOS_ID,))
 
 
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    seed: int = 0
-    deterministic: bool = False
-    token_logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[dict[int, float]] | None = None
-    windows: list[tuple[int, int]] = field(default_factory=list)
-    window_shape: tuple[int, int] = (4, 8)
-    verify_passes: int = 0
-    rollbacks: int = 0
-    recomputed_tokens: int = 0
-
-    @property
-    def logprobs(self) -> list[float] | None:
-        return self.token_logprobs if self.top_logprobs is not None else None
-
-
-@dataclass
-class EngineStats:
-    running: int = 0
-    waiting: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    verify_passes: int = 0
-    rollbacks: int = 0
-    recomputed_tokens: int = 0
-    verify_seconds: float = 0.0
+def new_output(request_id: str, prompt_token_ids: list[int], seed: int, deterministic: bool = False,
+               window_shape: tuple[int, int] = (4, 8), logprobs: bool = False) -> RequestOutput:
+    """An engine RequestOutput with nothing committed yet."""
+    return RequestOutput(request_id=request_id, prompt_token_ids=list(prompt_token_ids), token_ids=[], text="",
+                         finished=False, finish_reason=None, seed=seed, deterministic=deterministic,
+                         token_logprobs=[], top_logprobs=[] if logprobs else None, logprobs=[] if logprobs else None,
+                         windows=[], window_shape=window_shape, verify_passes=0, rollbacks=0, recomputed_tokens=0)
 
 
 class FakeAsyncEngine:
     def __init__(self, *, window: int = 8, group: int = 4, step_delay: float = 0.002,
                  fail_after_commits: int | None = None) -> None:
+        self.config = EngineConfig(window=window, group=group, device="cpu")
         self.tokenizer = CharTokenizer()
-        self.model_info = ModelInfo()
-        self.window = window
-        self.group = group
+        self.model_info = MODEL_INFO
         self.step_delay = step_delay
         self.fail_after_commits = fail_after_commits
         self._last: OrderedDict[str, RequestOutput] = OrderedDict()
         self._stats = EngineStats()
         self.started = False
+
+    @property
+    def window(self) -> int:
+        return self.config.window
+
+    @property
+    def group(self) -> int:
+        return self.config.group
 
     async def start(self) -> None:
         self.started = True
@@ -132,9 +118,8 @@ class FakeAsyncEngine:
         self.validate(prompt_token_ids, params)
         request_id = request_id or secrets.token_hex(8)
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        out = RequestOutput(request_id, list(prompt_token_ids), seed=seed, deterministic=params.deterministic,
-                            window_shape=(self.group, self.window),
-                            top_logprobs=[] if params.logprobs is not None else None)
+        out = new_output(request_id, prompt_token_ids, seed, params.deterministic, (self.group, self.window),
+                         logprobs=params.logprobs is not None)
         self._last[request_id] = out
         while len(self._last) > LAST_OUTPUTS_KEPT:
             self._last.popitem(last=False)
@@ -149,7 +134,7 @@ class FakeAsyncEngine:
                 self._commit(out, params)
                 commits += 1
                 yield replace(out, token_ids=list(out.token_ids), token_logprobs=list(out.token_logprobs),
-                              windows=list(out.windows))
+                              logprobs=None if out.logprobs is None else list(out.logprobs), windows=list(out.windows))
         finally:
             self._stats.running -= 1
             if not out.finished:
@@ -172,6 +157,8 @@ class FakeAsyncEngine:
                 break
             out.token_ids.append(token)
             out.token_logprobs.append(-0.5 - (token % 7) / 10)
+            if out.logprobs is not None:
+                out.logprobs.append(out.token_logprobs[-1])
         if start > 0 and len(out.token_ids) > start and params.deterministic:
             out.windows.append((start, len(out.token_ids)))
             out.verify_passes += 1
@@ -187,6 +174,25 @@ class FakeAsyncEngine:
 
     def last_output(self, request_id: str) -> RequestOutput | None:
         return self._last.get(request_id)
+
+    async def replay(self, requests: list[ReplayRequest],
+                     on_progress: ReplayProgress | None = None) -> list[ReplayResult]:
+        """Each recorded position predicted by the fake's own pure token function, so a faithful record
+        replays as a match; on_progress hears (tokens replayed, tokens in the batch) once, at the end."""
+        for r in requests:
+            check_replay(r, self.group, self.window)
+        results = [self._replay_one(r) for r in requests]
+        if on_progress is not None:
+            total = sum(len(r.token_ids) for r in requests)
+            on_progress(total, total)
+        return results
+
+    def _replay_one(self, r: ReplayRequest) -> ReplayResult:
+        probe = new_output(r.replay_id, r.prompt_token_ids, int(r.params.seed or 0))
+        predicted = [self._token(probe, r.params, i) for i in range(len(r.token_ids))]
+        first = next((i for i, (a, b) in enumerate(zip(predicted, r.token_ids)) if a != b), None)
+        window = next((k for k, (s, e) in enumerate(r.windows) if s <= first < e), None) if first else None
+        return ReplayResult(r.replay_id, predicted, [-0.5 - (t % 7) / 10 for t in predicted], first, window)
 
     async def abort(self, request_id: str) -> RequestOutput | None:
         return self._last.get(request_id)

@@ -66,28 +66,31 @@ def test_every_setting_is_a_serve_flag() -> None:
     values = {"host": "0.0.0.0", "port": "8123", "data_dir": "/srv/v", "database_url": "sqlite+aiosqlite:///x.db",
               "database_schema": "s1", "log_origin": "example.org/log", "model": "org/m@v1", "served_model_name": "m",
               "device": "cpu", "max_body_bytes": "2048", "max_prompt_tokens": "7", "max_tokens_limit": "9",
+              "max_n": "3",
               "rate_limit_per_second": "1.5", "rate_limit_burst": "3", "replay_max_queued": "2", "log_level": "DEBUG",
               "engine_options": '{"group": 4}', "engine_factory": "tests.auditor.fake_engine:from_settings",
               "redis_url": "redis://127.0.0.1:6379/0", "key_reload_interval": "2.5",
               "witnesses": '[{"url": "http://127.0.0.1:8090", "vkey": "%s"}]' % VKEY, "witness_quorum": "1",
               "witness_interval": "0.5", "witness_timeout": "3", "api_key_cache_seconds": "0.5",
-              "log_check_interval_seconds": "60"}
-    argv = ["serve", "--no-deterministic-default", "--no-bootstrap-admin", "--keep-serving-on-load-error"]
+              "log_check_interval_seconds": "60", "tensor_parallel_size": "2"}
+    argv = ["serve", "--no-deterministic-default", "--no-bootstrap-admin", "--keep-serving-on-load-error",
+            "--no-engine-process"]
     for name, value in values.items():
         argv += ["--" + name.replace("_", "-"), value]
     settings = settings_from(parse(*argv), {})
     expected = Settings(host="0.0.0.0", port=8123, data_dir=Path("/srv/v"), database_url="sqlite+aiosqlite:///x.db",
                         database_schema="s1", log_origin="example.org/log", model="org/m@v1", served_model_name="m",
                         device="cpu", deterministic_default=False, max_body_bytes=2048, max_prompt_tokens=7,
-                        max_tokens_limit=9, rate_limit_per_second=1.5, rate_limit_burst=3, replay_max_queued=2,
+                        max_tokens_limit=9, max_n=3, rate_limit_per_second=1.5, rate_limit_burst=3, replay_max_queued=2,
                         log_level="DEBUG", bootstrap_admin=False, keep_serving_on_load_error=True,
-                        engine_options={"group": 4}, engine_factory="tests.auditor.fake_engine:from_settings",
+                        engine_process=False, engine_options={"group": 4}, engine_factory="tests.auditor.fake_engine:from_settings",
                         redis_url="redis://127.0.0.1:6379/0", key_reload_interval=2.5,
                         witnesses=(("http://127.0.0.1:8090", VKEY),), witness_quorum=1, witness_interval=0.5,
-                        witness_timeout=3.0, api_key_cache_seconds=0.5, log_check_interval_seconds=60.0)
+                        witness_timeout=3.0, api_key_cache_seconds=0.5, log_check_interval_seconds=60.0,
+                        tensor_parallel_size=2)
     assert settings == expected
     assert {f.name for f in dataclasses.fields(Settings)} == {*values, "deterministic_default", "bootstrap_admin",
-                                                              "keep_serving_on_load_error"}
+                                                              "keep_serving_on_load_error", "engine_process"}
     with pytest.raises(SystemExit):
         parse("serve", "--witnesses", '[{"url": "ftp://w"}]')
 
@@ -109,6 +112,26 @@ def test_generate_engine_options_flag_over_environment() -> None:
     assert engine_config_options(parse("generate", "hi", "--model", "org/flag", "--engine-options", '{"group": 3}'),
                                  env) == {"model": "org/flag", "device": "cpu", "group": 3}
     assert engine_config_options(parse("generate", "hi"), {}) == {}
+    assert engine_config_options(parse("generate", "hi", "--tensor-parallel-size", "2", "--tp-reduction", "nccl"),
+                                 {}) == {"tensor_parallel_size": 2, "tp_reduction": "nccl"}
+
+
+def test_serve_tensor_parallel_size_reaches_the_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    from auditor import engine_seam
+    from auditor.engine_seam import load_engine
+
+    built: list[Any] = []
+    monkeypatch.setattr(engine_seam, "AsyncEngine", built.append)
+    monkeypatch.setattr(engine_seam, "EngineProcess", built.append)
+    for extra in ((), ("--no-engine-process",)):  # the engine process (default) and the engine thread
+        settings = settings_from(parse("serve", "--tensor-parallel-size", "2", "--device", "cpu",
+                                       "--engine-options", '{"window": 8}', *extra), {})
+        load_engine(settings)
+    assert len(built) == 2
+    for config in built:
+        assert (config.tensor_parallel_size, config.window, config.tp_reduction) == (2, 8, "gather_sum")
+    with pytest.raises(ValueError, match="tensor_parallel_size must be >= 1, got 0"):
+        settings_from(parse("serve", "--tensor-parallel-size", "0"), {})
 
 
 def test_bad_flag_values_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
@@ -129,7 +152,7 @@ def test_console_script_is_declared_and_runs() -> None:
     assert scripts == {"verbatim": "auditor.cli:main"}
     result = subprocess.run([*VERBATIM, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.startswith("usage: verbatim")
-    for command in ("serve", "generate", "keys", "replay", "verify", "export", "verify-bundle", "migrate", "bench"):
+    for command in ("serve", "generate", "keys", "replay", "verify", "export", "verify-bundle", "migrate"):
         assert f"    {command}" in result.stdout, command
 
 

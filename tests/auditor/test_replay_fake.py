@@ -1,8 +1,8 @@
 """Replay service against the fake engine (fast): verdicts, refusals, tampering, batching, limits,
 access log, attestation in the log, and jobs surviving a restart.
 
-``ReplayFakeEngine`` adds ``replay`` to the service tests' fake engine: it predicts each recorded
-position with the fake's own pure token function, so a faithful record replays as ``match``.
+``ReplayFakeEngine`` counts the fake engine's ``replay`` calls and can hold them; the fake predicts each
+recorded position with its own pure token function, so a faithful record replays as ``match``.
 """
 
 from __future__ import annotations
@@ -24,10 +24,12 @@ import pytest
 from auditor import canonical as cn
 from auditor.attestation import verify_replay_attestation
 from auditor.verify import verify_document
+from engine import EngineConfig
+from engine.async_engine import ReplayProgress
 from engine.replay import ReplayRequest, ReplayResult, check_replay
 from auditor.settings import Settings
 from tests.auditor.conftest import DEFAULT_KEYS, LiveServer, _pg_execute, restarted, serving, sqlite_settings
-from tests.auditor.fake_engine import FakeAsyncEngine, RequestOutput
+from tests.auditor.fake_engine import FakeAsyncEngine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -44,20 +46,14 @@ class ReplayFakeEngine(FakeAsyncEngine):
     def runtime_fingerprint(self) -> dict[str, str | int]:
         return {**super().runtime_fingerprint(), **self.extra}
 
-    async def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
+    async def replay(self, requests: list[ReplayRequest],
+                     on_progress: ReplayProgress | None = None) -> list[ReplayResult]:
         for r in requests:
             check_replay(r, self.group, self.window)
         self.replay_calls.append(len(requests))
         while self.hold:
             await asyncio.sleep(0.01)
-        return [self._replay_one(r) for r in requests]
-
-    def _replay_one(self, r: ReplayRequest) -> ReplayResult:
-        probe = RequestOutput(r.replay_id, list(r.prompt_token_ids), seed=int(r.params.seed or 0))
-        predicted = [self._token(probe, r.params, i) for i in range(len(r.token_ids))]
-        first = next((i for i, (a, b) in enumerate(zip(predicted, r.token_ids)) if a != b), None)
-        window = next((k for k, (s, e) in enumerate(r.windows) if s <= first < e), None) if first else None
-        return ReplayResult(r.replay_id, predicted, [-0.5 - (t % 7) / 10 for t in predicted], first, window)
+        return await super().replay(requests, on_progress)
 
 
 @pytest.fixture
@@ -191,16 +187,17 @@ async def test_different_window_or_group_is_inconclusive_environment(server: Liv
     engine = server.engine
     async with server.client(server.keys["client"]) as client:
         tid = await complete(client)
-        engine.window = 4
+        recorded = engine.config
+        engine.config = EngineConfig(window=4, group=recorded.group, device="cpu")
         try:
             w_job = (await replay(client, tid)).json()
         finally:
-            engine.window = 8
-        engine.group = 2
+            engine.config = recorded
+        engine.config = EngineConfig(window=recorded.window, group=2, device="cpu")
         try:
             g_job = (await replay(client, tid)).json()
         finally:
-            engine.group = 4
+            engine.config = recorded
     for job, field, recorded, current in ((w_job, "window", 8, 4), (g_job, "group", 4, 2)):
         assert job["status"] == "done" and job["result"] == "inconclusive_environment", job
         differences = job["details"]["differences"]
@@ -220,6 +217,45 @@ async def test_other_fingerprint_field_still_runs_and_reports_the_field(server: 
     assert job["result"] == "inconclusive_environment", job
     assert job["details"]["differences"] == {"threads": {"recorded": 1, "current": 16}}
     assert job["details"]["executed"] is True and job["details"]["tokens_match"] is True
+
+
+async def test_other_tensor_parallel_layout_is_not_executed(server: LiveServer) -> None:
+    """A transcript replays only at its tensor-parallel size and reduction (absent: one rank); otherwise the
+    verdict is inconclusive_environment and the engine never runs it."""
+    engine = server.engine
+    tp2 = {"tensor_parallel_size": 2, "tp_reduction": "gather_sum"}
+    async with server.client(server.keys["client"]) as client:
+        one_rank = await complete(client)
+        engine.extra = tp2
+        try:
+            two_ranks = await complete(client)
+        finally:
+            engine.extra = {}
+        calls = len(engine.replay_calls)
+        jobs = []
+        for tid, current in ((one_rank, tp2), (two_ranks, {}),
+                             (two_ranks, {**tp2, "tp_reduction": "nccl:Ring/Simple"})):
+            engine.extra = current
+            try:
+                jobs.append((await replay(client, tid)).json())
+            finally:
+                engine.extra = {}
+        refused_calls = len(engine.replay_calls)
+        engine.extra = tp2
+        try:
+            same = (await replay(client, two_ranks)).json()
+        finally:
+            engine.extra = {}
+    assert refused_calls == calls, "a replay under another tensor-parallel layout reached the engine"
+    for job, differing in zip(jobs, (("tensor_parallel_size", "tp_reduction"),
+                                     ("tensor_parallel_size", "tp_reduction"), ("tp_reduction",))):
+        assert job["status"] == "done" and job["result"] == "inconclusive_environment", job
+        assert job["details"]["executed"] is False and "tensor_parallel_size" in job["details"]["reason"]
+        assert sorted(job["details"]["differences"]) == sorted(differing), job["details"]
+        assert job["attestation"] is not None and job["log_index"] is not None
+    assert jobs[0]["details"]["differences"]["tensor_parallel_size"] == {"recorded": None, "current": 2}
+    assert same["result"] == "match" and same["details"]["executed"] is True, same
+    assert len(engine.replay_calls) == calls + 1
 
 
 async def test_different_model_is_409(server: LiveServer) -> None:

@@ -50,7 +50,7 @@ REFUSED: list[tuple[str, str, dict[str, Any], int, str | None]] = [
     ("POST", "/v1/chat/completions", {"json": {"model": MODEL, "messages": [
         {"role": "user", "content": "x", "colour": "red"}]}}, 400, "messages[0].colour"),
     ("POST", "/v1/chat/completions", {"json": {"model": MODEL, "messages": [
-        {"role": "assistant", "content": "x", "tool_calls": [{"id": "t"}]}]}}, 400, "messages[0].tool_calls"),
+        {"role": "assistant", "content": "x", "tool_calls": [{"id": "t"}]}]}}, 400, "messages[0].tool_calls[0].type"),
     ("POST", "/v1/completions", raw(b'{"model": "fake-model", "prompt": "a\\ud800b"}'), 400, "prompt"),
     ("POST", "/v1/completions", raw(b'{"model": "fake-model", "prompt": "x", "stop": ["\\udfff"]}'), 400, "stop[0]"),
     ("POST", "/v1/chat/completions", raw(b'{"model": "fake-model", "messages": [{"role": "user", '

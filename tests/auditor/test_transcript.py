@@ -227,3 +227,16 @@ def test_signed_but_malformed_statement_reported(ring: KeyRing) -> None:
     _, envelope = tr.sign_statement(bad, ring, KeyRole.TRANSCRIPT)
     result = tr.verify_transcript(envelope, ring.jwks(), output_ids=[1], salt=SALT)
     assert not result.ok and "lacks a predicate object or a subject" in result.checks[0].detail
+
+
+def test_choice_and_extras_are_signed_only_when_present(ring: KeyRing) -> None:
+    plain = tr.build_predicate(make_inputs())["request"]
+    assert set(plain) == {"api", "received_at", "completed_at", "status"}
+    x = make_inputs(choice=tr.Choice(1, 2, BIG_SEED), request_extras={"metadata": {"ticket": "T-1"}, "user": "u"})
+    request = tr.build_predicate(x)["request"]
+    assert request["choice"] == {"index": 1, "count": 2, "request_seed": str(BIG_SEED)}
+    assert request["extras"] == {"metadata": {"ticket": "T-1"}, "user": "u"}
+    signed = tr.sign_transcript(x, ring)
+    assert tr.verify_transcript(signed.envelope, ring.jwks()).ok
+    with pytest.raises(ValueError, match="choice index"):
+        make_inputs(choice=tr.Choice(2, 2, 1))

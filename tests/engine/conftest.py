@@ -24,6 +24,14 @@ def gpu_smollm2_source():
     return load_model_source(os.environ.get("VERBATIM_GPU_GGUF") or "default")
 
 
+@pytest.fixture
+def kernel_settings():
+    """The Triton kernels' launch settings the kernel tests run under (modules may override it)."""
+    from engine.config import DEFAULT_KERNEL_SETTINGS
+
+    return DEFAULT_KERNEL_SETTINGS
+
+
 @pytest.fixture(scope="session")
 def smollm2_model(smollm2_source):
     """Our float32 forward of SmolLM2 on the CPU, weights loaded (shared; never mutate weights)."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -57,7 +58,7 @@ def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype: torch.dtype, lens: list[int],
                              heads: tuple[int, int, int, int], splits: tuple[int, ...], seed: int = 0,
-                             canonical: list[int] | None = None) -> None:
+                             canonical: list[int] | None = None, settings: Any = None) -> None:
     """decode_attention with `rope` (q and K rotated, K/V stored, inside the split kernel) against
     triton_fused.rope_write_kv then decode_attention on the rotated q: the output and both caches bitwise
     equal, per split size and merge. The caches start random at the written slots too (so a program that
@@ -65,8 +66,11 @@ def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype:
     canonical (0/1 per row): also the mixed step (the split kernel skipping the flagged rows, the packed
     canonical kernel with `rope` taking them, each storing its own rows' K/V) and the all-canonical step
     (the packed kernel alone), against rope_write_kv then the same kernels on the rotated q.
-    heads: (Hq, Hkv, D, block_size)."""
+    heads: (Hq, Hkv, D, block_size). settings: the canonical kernel's KernelSettings (None: the defaults)."""
     from engine.attention import triton_canonical_decode as packed
+    from engine.config import DEFAULT_KERNEL_SETTINGS
+
+    settings = settings or DEFAULT_KERNEL_SETTINGS
 
     hq, hkv, d, bs = heads
     case = make_paged_case(lens, [1] * len(lens), hq, hkv, d, bs, dtype, device, seed=seed, spare_blocks=1)
@@ -89,12 +93,13 @@ def check_decode_rope_fusion(tf: ModuleType, tp: ModuleType, device: str, dtype:
                             skip_rows=mask, rope=rope if fused else None)
         if mask is not None:
             packed.canonical_decode_attention(qq, kc, vc, seq_lens, tables, scale, out=out, only_rows=mask,
-                                              rope=rope if fused else None)
+                                              rope=rope if fused else None, settings=settings)
         return out
 
     def whole(qq: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, size: int, merge: str, mask: None,
               fused: bool) -> torch.Tensor:
-        return packed.canonical_decode_attention(qq, kc, vc, seq_lens, tables, scale, rope=rope if fused else None)
+        return packed.canonical_decode_attention(qq, kc, vc, seq_lens, tables, scale, rope=rope if fused else None,
+                                                 settings=settings)
 
     masks: list[torch.Tensor | None] = [None]
     if canonical is not None:

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
+from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
 from tests.engine.gpu_reference import make_paged_case
 
 REPO = Path(__file__).resolve().parents[2]
@@ -42,7 +43,8 @@ def _kv_at(case: dict, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return kc.view(-1, *kc.shape[2:])[slots].clone(), vc.view(-1, *vc.shape[2:])[slots].clone()
 
 
-def _verify_last(tp: ModuleType, case: dict, r: int, scale: float, rows: int) -> torch.Tensor:
+def _verify_last(tp: ModuleType, case: dict, r: int, scale: float, rows: int, settings: KernelSettings
+                 ) -> torch.Tensor:
     """Row r's decode query as the last token of a WINDOW-token verify window, in verify row `rows - 1`
     of a pass whose other rows (and the window's earlier queries) are random."""
     dev, q = case["q"].device, case["q"]
@@ -54,13 +56,16 @@ def _verify_last(tp: ModuleType, case: dict, r: int, scale: float, rows: int) ->
     tables = torch.cat([case["block_tables"][:rows - 1], case["block_tables"][r:r + 1]])
     qsl = torch.arange(rows + 1, dtype=torch.int32, device=dev) * WINDOW
     out = tp.prefill_attention(qs, case["k_cache"], case["v_cache"], qsl,
-                               torch.tensor(lens, dtype=torch.int32, device=dev), tables, scale, WINDOW)
+                               torch.tensor(lens, dtype=torch.int32, device=dev), tables, scale, WINDOW,
+                               settings=settings)
     return out[-1]
 
 
 def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, int, int, int],
-                           lens: list[int], mask: list[int], split_size: int) -> None:
-    """Every bitwise claim of the module doc, on one random paged cache."""
+                           lens: list[int], mask: list[int], split_size: int,
+                           settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
+    """Every bitwise claim of engine.attention.triton_backend's doc, on one random paged cache."""
+    from engine.attention import triton_backend as tb
     from engine.attention import triton_paged as tp
 
     h, hkv, d, bs = shape
@@ -71,7 +76,7 @@ def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, in
     meta = _decode_meta(case, rows)
     k, v = _kv_at(case, meta.slot_mapping)
 
-    backend = tp.TritonPagedAttention(split_size=split_size)
+    backend = tb.TritonPagedAttention(split_size=split_size, settings=settings)
     plan = backend.plan(meta, bs)
     assert plan.one_query_per_row and plan.canonical_rows is rows
     out = backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"], plan, scale)
@@ -86,7 +91,7 @@ def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, in
     plain = backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"],
                             backend.plan(_decode_meta(case, None), bs), scale)
     assert torch.equal(plain, split)
-    canonical = tp.TritonPagedAttention(split_size=split_size, decode="canonical")
+    canonical = tb.TritonPagedAttention(split_size=split_size, decode="canonical", settings=settings)
     everywhere = canonical.forward(case["q"], k, v, case["k_cache"], case["v_cache"],
                                    canonical.plan(meta, bs), scale)
     # dvr_decode_attention="canonical_step": a step with flagged rows runs every row canonical, one launch
@@ -102,18 +107,19 @@ def check_canonical_decode(device: str, dtype: torch.dtype, shape: tuple[int, in
             continue
         alone = tp.prefill_attention(case["q"][r:r + 1], case["k_cache"], case["v_cache"],
                                      case["query_start_loc"][:2], case["seq_lens"][r:r + 1],
-                                     case["block_tables"][r:r + 1], scale, 1)
+                                     case["block_tables"][r:r + 1], scale, 1, settings=settings)
         assert torch.equal(out[r], alone[0]), f"flagged row {r} differs from its 1-token window"
-        assert torch.equal(out[r], _verify_last(tp, case, r, scale, rows=3)), f"row {r} vs its verify window"
+        assert torch.equal(out[r], _verify_last(tp, case, r, scale, 3, settings)), f"row {r} vs its verify window"
         assert torch.equal(out[r], everywhere[r]), f"row {r} differs from decode='canonical'"
     if dtype == torch.float32 or device != "cpu":  # tiny bf16 cases round both to the same bits
         assert not torch.equal(out, split), "the case is too easy: canonical and split rows agree bitwise"
 
 
 def check_prefill_pass_tile(device: str, dtype: torch.dtype) -> None:
-    """triton_paged.set_prefill_pass_tile: a PREFILL pass of the split-decode backend takes that tile (the
+    """KernelSettings.prefill_pass_tile: a PREFILL pass of the split-decode backend takes that tile (the
     prefill kernel's bits at that block_m), a VERIFY pass and every pass of decode="canonical" keep the
-    canonical tile, and KERNEL_ID names the prefill tile only where it differs."""
+    canonical tile, and the kernel id names the prefill tile only where it differs."""
+    from engine.attention import triton_backend as tb
     from engine.attention import triton_paged as tp
 
     h, hkv, d, bs = 4, 2, 16, 16
@@ -121,31 +127,29 @@ def check_prefill_pass_tile(device: str, dtype: torch.dtype) -> None:
     case = make_paged_case(lens, [30, 9, 20], h, hkv, d, bs, dtype, device, seed=3)
     scale = d ** -0.5
     qsl, sl, bt = case["query_start_loc"], case["seq_lens"], case["block_tables"]
-    other = 64 if tp.PREFILL_BLOCK_M != 64 else 16
+    tile = DEFAULT_KERNEL_SETTINGS.query_tile
+    other = 64 if tile != 64 else 16
     at = {m: tp.prefill_attention(case["q"], case["k_cache"], case["v_cache"], qsl, sl, bt, scale,
-                                  case["max_query_len"], block_m=m) for m in (tp.PREFILL_BLOCK_M, other)}
+                                  case["max_query_len"], block_m=m) for m in (tile, other)}
     rows = torch.repeat_interleave(torch.arange(len(lens)), (qsl[1:] - qsl[:-1]).long().cpu())
     pos = torch.cat([torch.arange(s - n, s) for s, n in zip(lens, [30, 9, 20])])
     slots = (bt.long().cpu()[rows, pos // bs] * bs + pos % bs).to(device)
     kc, vc = case["k_cache"], case["v_cache"]
     k, v = kc.view(-1, hkv, d)[slots].clone(), vc.view(-1, hkv, d)[slots].clone()
-    base = tp.canonical_kernel_id()
-    try:
-        assert tp.set_prefill_pass_tile(other) == base + f"-p{other}"
-        split, canonical = tp.TritonPagedAttention(), tp.TritonPagedAttention(decode="canonical")
-        assert split.kernel_id == tp.KERNEL_ID and canonical.kernel_id == base
-        meta = AttentionMetadata(PassKind.PREFILL, slots, qsl, sl, bt)
-        assert torch.equal(split.forward(case["q"], k, v, kc, vc, split.plan(meta, bs), scale), at[other])
-        assert torch.equal(canonical.forward(case["q"], k, v, kc, vc, canonical.plan(meta, bs), scale),
-                           at[tp.PREFILL_BLOCK_M])
-        assert tp.set_prefill_pass_tile(tp.PREFILL_BLOCK_M) == base  # the same tile: no suffix
-    finally:
-        tp.set_prefill_pass_tile(None)
-    assert tp.KERNEL_ID == base
+    base = DEFAULT_KERNEL_SETTINGS.kernel_id()
+    settings = KernelSettings(prefill_pass_tile=other)
+    assert settings.kernel_id() == base + f"-p{other}" and settings.canonical_kernel_id() == base
+    split = tb.TritonPagedAttention(settings=settings)
+    canonical = tb.TritonPagedAttention(decode="canonical", settings=settings)
+    assert split.kernel_id == settings.kernel_id() and canonical.kernel_id == base
+    meta = AttentionMetadata(PassKind.PREFILL, slots, qsl, sl, bt)
+    assert torch.equal(split.forward(case["q"], k, v, kc, vc, split.plan(meta, bs), scale), at[other])
+    assert torch.equal(canonical.forward(case["q"], k, v, kc, vc, canonical.plan(meta, bs), scale), at[tile])
+    assert KernelSettings(prefill_pass_tile=tile).kernel_id() == base  # the same tile: no suffix
 
 
-def check_chunk_programs(device: str, dtype: torch.dtype) -> None:
-    """triton_canonical_decode.CHUNK_PROGRAMS: P programs per (row, KV head) sharing its key chunks give the
+def check_chunk_programs(device: str, dtype: torch.dtype, settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
+    """KernelSettings.chunk_programs: P programs per (row, KV head) sharing its key chunks give the
     prefill kernel's bits for every P from 1 to the table's chunk count, and with `rope` (the program that
     holds the step's key stores it first) the bits and cache of rope_write_kv then the kernel."""
     from engine.attention import triton_canonical_decode as packed
@@ -157,7 +161,7 @@ def check_chunk_programs(device: str, dtype: torch.dtype) -> None:
     case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, device, seed=13, spare_blocks=2)
     q, kc, vc, sl, bt = case["q"], case["k_cache"], case["v_cache"], case["seq_lens"], case["block_tables"]
     scale = d ** -0.5
-    ref = tp.prefill_attention(q, kc, vc, case["query_start_loc"], sl, bt, scale, 1)
+    ref = tp.prefill_attention(q, kc, vc, case["query_start_loc"], sl, bt, scale, 1, settings=settings)
     g = torch.Generator(device="cpu").manual_seed(5)
     k_new, v_new = (torch.randn(len(lens), hkv, d, generator=g).to(dtype).to(device) for _ in range(2))
     angles = torch.rand(len(lens), 1, d // 2, generator=g).double() * 6.3
@@ -166,26 +170,22 @@ def check_chunk_programs(device: str, dtype: torch.dtype) -> None:
     slots = bt.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
     kc_ref, vc_ref = kc.clone(), vc.clone()
     q_rot = tf.rope_write_kv(q, k_new, v_new, cos_sin, kc_ref, vc_ref, slots)
-    chunks = -(-bt.shape[1] * bs // tp.PREFILL_CHUNK)
+    chunks = -(-bt.shape[1] * bs // settings.chunk)
     assert chunks >= 4, "the case needs rows of several chunks"
-    saved = packed.CHUNK_PROGRAMS
-    try:
-        packed.CHUNK_PROGRAMS = 0
-        assert packed.chunk_programs(len(lens), hkv, chunks) == chunks
-        rope_ref = packed.canonical_decode_attention(q_rot, kc_ref, vc_ref, sl, bt, scale)
-        for p in range(1, chunks + 1):
-            packed.CHUNK_PROGRAMS = len(lens) * hkv * p
-            assert packed.chunk_programs(len(lens), hkv, chunks) == p
-            got = packed.canonical_decode_attention(q, kc, vc, sl, bt, scale)
-            bad = [lens[r] for r in range(len(lens)) if not torch.equal(got[r], ref[r])]
-            assert not bad, f"P = {p}: rows of these lengths differ from the prefill kernel: {bad}"
-            kc2, vc2 = kc.clone(), vc.clone()
-            fused = packed.canonical_decode_attention(q, kc2, vc2, sl, bt, scale,
-                                                      rope=tp.DecodeRope(k_new, v_new, cos_sin, slots))
-            assert torch.equal(fused, rope_ref) and torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref), f"rope, P = {p}"
-        assert not torch.equal(rope_ref, ref), "the rope case is too easy"
-    finally:
-        packed.CHUNK_PROGRAMS = saved
+    one_per_chunk = dataclasses.replace(settings, chunk_programs=0)
+    assert packed.chunk_programs(len(lens), hkv, chunks, 0) == chunks
+    rope_ref = packed.canonical_decode_attention(q_rot, kc_ref, vc_ref, sl, bt, scale, settings=one_per_chunk)
+    for p in range(1, chunks + 1):
+        each = dataclasses.replace(settings, chunk_programs=len(lens) * hkv * p)
+        assert packed.chunk_programs(len(lens), hkv, chunks, each.chunk_programs) == p
+        got = packed.canonical_decode_attention(q, kc, vc, sl, bt, scale, settings=each)
+        bad = [lens[r] for r in range(len(lens)) if not torch.equal(got[r], ref[r])]
+        assert not bad, f"P = {p}: rows of these lengths differ from the prefill kernel: {bad}"
+        kc2, vc2 = kc.clone(), vc.clone()
+        fused = packed.canonical_decode_attention(q, kc2, vc2, sl, bt, scale, settings=each,
+                                                  rope=tp.DecodeRope(k_new, v_new, cos_sin, slots))
+        assert torch.equal(fused, rope_ref) and torch.equal(kc2, kc_ref) and torch.equal(vc2, vc_ref), f"rope, P = {p}"
+    assert not torch.equal(rope_ref, ref), "the rope case is too easy"
 
 
 def _patch_interpreter_index() -> None:
@@ -251,22 +251,19 @@ def _interpreter_main() -> None:
     # chunks of 64 keys (the real 256 would leave these tiny rows in one chunk): the packed kernel's
     # parallel chunks merged by their last program must give the prefill kernel's serial merge
     from engine.attention import triton_canonical_decode as packed
-    from engine.attention import triton_paged as tp
 
-    tp.PREFILL_CHUNK = 64
+    small = KernelSettings(chunk=64)
     for dtype in (torch.float32, torch.bfloat16):
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
-                               split_size=64)
-        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
-        check_chunk_programs("cpu", dtype)
+                               split_size=64, settings=small)
+        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, small)
+        check_chunk_programs("cpu", dtype, small)
     # the 64-row query tile (selectable; the default is 16): the same claims with queries at rows p % 64
-    tp.set_query_tile(64)
+    tall = KernelSettings(chunk=64, query_tile=64)
     for dtype in (torch.float32, torch.bfloat16):
         check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
-                               split_size=64)
-        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16)
-    tp.set_query_tile(tp.DEFAULT_QUERY_TILE)
-    tp.PREFILL_CHUNK = 256
+                               split_size=64, settings=tall)
+        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
     for dtype in (torch.float32, torch.bfloat16):
         check_prefill_pass_tile("cpu", dtype)
     print("interpreter ok")
@@ -283,47 +280,54 @@ def run_under_triton_interpreter(module: str) -> None:
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
 
 
-def test_set_query_tile_changes_the_kernel_identity() -> None:
-    """The query tile is part of the committed bits: KERNEL_ID (hence the fingerprint) names it, only the
-    documented heights are accepted, and the packed kernel's per-device check is keyed by it."""
-    from engine.attention import triton_paged as tp
+def test_query_tile_changes_the_kernel_identity() -> None:
+    """The query tile and chunk are part of the committed bits: the kernel id (hence the fingerprint of a
+    triton config) names them, only the documented values are accepted, and the packed kernel's per-device
+    check is keyed by them."""
+    from engine.attention import triton_backend as tb
+    from engine.attention import triton_canonical_decode as packed
+    from engine.config import EngineConfig
+    from engine.fingerprint import runtime_fingerprint
 
-    base = tp.KERNEL_ID
-    assert tp.PREFILL_BLOCK_M == tp.DEFAULT_QUERY_TILE == 16 and "-m16n" in base
-    try:
-        assert "-m64n" in tp.set_query_tile(64) and tp.KERNEL_ID != base and tp.PREFILL_BLOCK_M == 64
-        # the fingerprint reads triton_paged.KERNEL_ID when it is built (CUDA configs only), as the backend does
-        assert tp.TritonPagedAttention().kernel_id == tp.KERNEL_ID
-        with pytest.raises(ValueError, match=r"query tile must be one of \(16, 32, 64\) rows, got 48"):
-            tp.set_query_tile(48)
-        assert tp.PREFILL_BLOCK_M == 64  # a rejected value changes nothing
-    finally:
-        tp.set_query_tile(tp.DEFAULT_QUERY_TILE)
-    assert tp.KERNEL_ID == base
+    base = DEFAULT_KERNEL_SETTINGS.kernel_id()
+    assert DEFAULT_KERNEL_SETTINGS.query_tile == 16 and "-m16n" in base and base.endswith("c256")
+    tall = KernelSettings(query_tile=64)
+    assert "-m64n" in tall.kernel_id() and tall.kernel_id() != base
+    assert tb.TritonPagedAttention(settings=tall).kernel_id == tall.kernel_id()
+    assert KernelSettings(chunk=512).kernel_id().endswith("c512")
+    args = ("cpu", torch.float32, 2, 16)
+    assert packed.check_key(*args, tall) != packed.check_key(*args, DEFAULT_KERNEL_SETTINGS)
+    with pytest.raises(ValueError, match=r"kernels.query_tile: one of \(16, 32, 64\), got 48"):
+        KernelSettings(query_tile=48)
+    with pytest.raises(ValueError, match="kernels.chunk"):
+        KernelSettings(chunk=100)
+    # the fingerprint of an engine on the triton backend names its kernels' id (CUDA configs only: here the
+    # config's own method, which the fingerprint calls)
+    config = EngineConfig(kernels=tall)
+    assert config.kernels.kernel_id() == tall.kernel_id()
+    assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 
 
 def test_canonical_rows_under_the_triton_interpreter() -> None:
     run_under_triton_interpreter("tests.engine.test_canonical_decode")
 
 
-def test_set_prefill_pass_tile_checks_its_value() -> None:
-    from engine.attention import triton_paged as tp
-
-    with pytest.raises(ValueError, match=r"prefill pass tile must be None or one of \(16, 32, 64\) rows, got 8"):
-        tp.set_prefill_pass_tile(8)
-    assert tp.PREFILL_PASS_BLOCK_M is None and tp.KERNEL_ID == tp.canonical_kernel_id()
+def test_prefill_pass_tile_checks_its_value() -> None:
+    with pytest.raises(ValueError, match=r"kernels.prefill_pass_tile: None or one of \(16, 32, 64\), got 8"):
+        KernelSettings(prefill_pass_tile=8)
+    assert KernelSettings().prefill_tile == 16 and KernelSettings(prefill_pass_tile=64).prefill_tile == 64
 
 
 def test_plan_rejects_a_mask_of_the_wrong_shape_or_dtype() -> None:
-    from engine.attention import triton_paged as tp
+    from engine.attention import triton_backend as tb
 
     case = make_paged_case([20, 30], [1, 1], 4, 2, 16, 16, torch.float32, "cpu")
-    backend = tp.TritonPagedAttention()
+    backend = tb.TritonPagedAttention()
     for bad in (torch.ones(3, dtype=torch.int32), torch.ones(2, dtype=torch.bool)):
         with pytest.raises(ValueError, match="row mask"):
             backend.plan(_decode_meta(case, bad), 16)
     # decode="canonical" sends every row through the prefill kernel: the mask is not needed
-    assert tp.TritonPagedAttention(decode="canonical").plan(_decode_meta(case, None), 16).canonical_rows is None
+    assert tb.TritonPagedAttention(decode="canonical").plan(_decode_meta(case, None), 16).canonical_rows is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -372,14 +376,17 @@ GPU_LENS = [8, 700, 1500, 64, 2047, 333, 512, 513]
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_canonical_rows(shape: tuple[int, int, int, int], dtype: torch.dtype) -> None:
-    check_canonical_decode("cuda", dtype, shape, GPU_LENS, [1, 0, 1, 1, 0, 0, 1, 0], split_size=512)
+def test_gpu_canonical_rows(shape: tuple[int, int, int, int], dtype: torch.dtype,
+                            kernel_settings: KernelSettings) -> None:
+    check_canonical_decode("cuda", dtype, shape, GPU_LENS, [1, 0, 1, 1, 0, 0, 1, 0], split_size=512,
+                           settings=kernel_settings)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
     """One captured decode step; the static mask buffer changes between replays, no allocation."""
+    from engine.attention import triton_backend as tb
     from engine.attention import triton_paged as tp
 
     h, hkv, d, bs = GPU_SHAPES[0]
@@ -389,7 +396,7 @@ def test_gpu_canonical_rows_through_a_cuda_graph() -> None:
     mask = torch.zeros(len(GPU_LENS), dtype=torch.int32, device="cuda")
     meta = _decode_meta(case, mask)
     k, v = _kv_at(case, meta.slot_mapping)
-    backend = tp.TritonPagedAttention(split_size=tp.DECODE_SPLIT_SIZE)  # the split below uses the default
+    backend = tb.TritonPagedAttention(split_size=tp.DECODE_SPLIT_SIZE)  # the split below uses the default
     out = torch.empty_like(case["q"])
 
     def step() -> None:
@@ -434,8 +441,8 @@ def test_gpu_packed_canonical_decode_is_used_and_equals_the_prefill_kernel(
     h, hkv, d, bs = shape
     lens = list(range(1, 130)) + GPU_LENS
     case = make_paged_case(lens, [1] * len(lens), h, hkv, d, bs, dtype, "cuda", seed=21, spare_blocks=2)
-    fits = h // hkv <= tp.PREFILL_BLOCK_M
-    assert packed.use_packed(case["q"], case["k_cache"]) == fits, (h // hkv, tp.PREFILL_BLOCK_M)
+    fits = h // hkv <= DEFAULT_KERNEL_SETTINGS.query_tile
+    assert packed.use_packed(case["q"], case["k_cache"]) == fits, (h // hkv, DEFAULT_KERNEL_SETTINGS.query_tile)
     if not fits:
         return
     scale = d ** -0.5

@@ -10,21 +10,10 @@ import pytest
 from engine.cli import main
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"]])
 def test_help(argv) -> None:
     proc = subprocess.run([sys.executable, "-m", "engine", *argv], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "usage: python -m engine" in proc.stdout
-
-
-@pytest.mark.parametrize(("argv", "usage", "flag"), [
-    (["bench", "--device", "cuda", "--help"], "usage: python -m engine bench --device cuda", "--sections"),
-    (["bench", "--replay", "--device=cuda", "--help"], "usage: python -m engine bench --replay --device cuda",
-     "--transcripts"),
-])
-def test_cuda_bench_help_reaches_the_gpu_parsers(argv, usage, flag) -> None:
-    """`bench --device cuda` goes to engine.bench_gpu / bench_replay_gpu (the commands bench/h200.sh runs)."""
-    proc = subprocess.run([sys.executable, "-m", "engine", *argv], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.startswith(usage) and flag in proc.stdout
 
 
 def test_generate_deterministic_json(capsys, smollm2_source) -> None:

@@ -43,6 +43,7 @@ def check_split_decode(device: str, dtype: torch.dtype, shape: tuple[int, int, i
 
 def check_backend_split_by_rows(device: str) -> None:
     """The default backend picks the split size by the padded batch; a fixed one keeps it for every batch."""
+    from engine.attention import triton_backend as tb
     from engine.attention import triton_paged as tp
     from engine.attention.metadata import AttentionMetadata, PassKind
 
@@ -54,8 +55,8 @@ def check_backend_split_by_rows(device: str) -> None:
         slots = case["block_tables"].long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
         meta = AttentionMetadata(PassKind.DECODE, slots, case["query_start_loc"], case["seq_lens"],
                                  case["block_tables"])
-        for backend, split in ((tp.TritonPagedAttention(), tp.decode_split_for_rows(rows)),
-                               (tp.TritonPagedAttention(split_size=256), 256)):
+        for backend, split in ((tb.TritonPagedAttention(), tp.decode_split_for_rows(rows)),
+                               (tb.TritonPagedAttention(split_size=256), 256)):
             out = backend.forward(case["q"], None, None, case["k_cache"], case["v_cache"], backend.plan(meta, bs),
                                   d ** -0.5)
             expected = tp.decode_attention(case["q"], case["k_cache"], case["v_cache"], case["seq_lens"],

@@ -170,10 +170,11 @@ def test_run_ahead_changes_speed_not_bits(make_mock_llm, workload) -> None:
     """DVR rows waiting for their verify pass keep decoding (dvr_lookahead, default W-1): the committed
     bits equal those of rows that wait idle (lookahead 0), and they really decoded ahead. (Whether that
     saves steps depends on the rollback rate: this mock's noisy fast path discards most run-ahead
-    candidates; on SmolLM2 with canonical DVR rows nothing is rolled back.)"""
+    candidates; on SmolLM2 with canonical DVR rows nothing is rolled back.) Verify cadence off: it would
+    verify the small batch before the rows run ahead."""
     prompts, params = workload
-    idle = make_mock_llm(dvr_lookahead=0, group=8)
-    ahead = make_mock_llm(group=8)
+    idle = make_mock_llm(dvr_lookahead=0, group=8, verify_cadence_steps=0)
+    ahead = make_mock_llm(group=8, verify_cadence_steps=0)
     out_idle, out_ahead = idle.generate(prompts, params), ahead.generate(prompts, params)
     assert_same(out_idle, out_ahead)
     assert ahead.core.totals.decode_passes > idle.core.totals.decode_passes, (ahead.core.totals, idle.core.totals)

@@ -170,14 +170,14 @@ def test_rope_write_kv_equals_rope_then_write_kv(dtype: torch.dtype, t: int) -> 
 def test_fused_kv_write_model_equals_backend_write_bitwise() -> None:
     """The synthetic 8B shape (2 layers), bf16 prefill then decode on the triton backend: K/V written in the
     RoPE launch (kv_prewritten) vs by write_kv in the backend give the same logits and caches."""
-    from engine.attention import triton_paged as tp
+    from engine.attention import triton_backend as tb
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
-    class NotPrewritten(tp.TritonPagedAttention):
+    class NotPrewritten(tb.TritonPagedAttention):
         kv_prewritten = False
         forward_rope = None
 
-    class RopeOutsideAttention(tp.TritonPagedAttention):
+    class RopeOutsideAttention(tb.TritonPagedAttention):
         forward_rope = None
 
     model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b", num_hidden_layers=2), torch.bfloat16, DEV,

@@ -256,18 +256,18 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """A tiny Llama on the triton backend (interpreted), prefill then decode: the fused K/V write (backend
     kv_prewritten) gives the logits and KV cache bits of rope + write_kv in the backend."""
-    from engine.attention import triton_paged as tp
+    from engine.attention import triton_backend as tb
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
-    class NotPrewritten(tp.TritonPagedAttention):
+    class NotPrewritten(tb.TritonPagedAttention):
         kv_prewritten = False
         forward_rope = None
 
-    class RopeOutsideAttention(tp.TritonPagedAttention):
+    class RopeOutsideAttention(tb.TritonPagedAttention):
         forward_rope = None
 
     model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=3)
-    on = model.with_numerics(_InterpretedFusedOps(), tp.TritonPagedAttention())
+    on = model.with_numerics(_InterpretedFusedOps(), tb.TritonPagedAttention())
     outside = model.with_numerics(_InterpretedFusedOps(), RopeOutsideAttention())
     off = model.with_numerics(_InterpretedFusedOps(), NotPrewritten())
     counts = {"rope_write_kv": 0, "write_kv": 0, "decode_attention_rope": 0}
@@ -280,14 +280,14 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
         return call
 
     monkeypatch.setattr(tf, "rope_write_kv", counted("rope_write_kv", tf.rope_write_kv))
-    monkeypatch.setattr(tp, "write_kv", counted("write_kv", tp.write_kv))
-    plain_decode = tp.decode_attention
+    monkeypatch.setattr(tb, "write_kv", counted("write_kv", tb.write_kv))
+    plain_decode = tb.decode_attention
 
     def decode_attention(*args: object, **kw: object) -> object:
         counts["decode_attention_rope"] += kw.get("rope") is not None
         return plain_decode(*args, **kw)
 
-    monkeypatch.setattr(tp, "decode_attention", decode_attention)
+    monkeypatch.setattr(tb, "decode_attention", decode_attention)
     logits, caches = zip(*(_prefill_then_decode(m, seed=2) for m in (on, outside, off)), strict=True)
     layers = model.arch.num_layers
     # on: prefill rope_write_kv, decode RoPE in the split kernel; outside: rope_write_kv twice; off: write_kv
@@ -301,26 +301,32 @@ def test_model_with_fused_kv_write_equals_rope_then_write_kv(tf: ModuleType, pag
 @pytest.mark.parametrize("decode", ["mixed", "canonical", "batch_invariant"])
 def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged_loops: None, decode: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """triton_paged.FUSE_ROPE_CANONICAL on vs off, a tiny Llama (interpreted) prefilling then decoding: a
+    """KernelSettings.fuse_rope_canonical on vs off, a tiny Llama (interpreted) prefilling then decoding: a
     step with one canonical row beside a split row, a decode="canonical" backend, and the batch_invariant
     backend's CUDA path: the same logits and caches, and on runs the packed kernel with `rope` (off never)."""
     from engine.attention import batch_invariant as bi
+    from engine.attention import triton_backend as tb
     from engine.attention import triton_canonical_decode as packed
-    from engine.attention import triton_paged as tp
+    from engine.config import KernelSettings
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
     model = build_synthetic_model(synthetic_hf_config("tiny"), torch.float32, "cpu", seed=5)
     arch = model.arch
     group = arch.num_heads // arch.num_kv_heads
     # the packed kernel's agreement is checked elsewhere; its check would call the spied function below
-    monkeypatch.setitem(packed._CHECKED, packed.check_key("cpu", torch.float32, group, arch.head_dim), True)
-    if decode == "batch_invariant":
-        backend = bi.BatchInvariantAttention(backend="triton")
-        monkeypatch.setattr(backend, "_paged", lambda device: backend._triton)
-        backend._triton = tp.TritonPagedAttention(decode="canonical")
-    else:
-        backend = tp.TritonPagedAttention(decode="canonical" if decode == "canonical" else "split")
-    view = model.with_numerics(_InterpretedFusedOps(), backend)
+    monkeypatch.setitem(packed._CHECKED, packed.check_key("cpu", torch.float32, group, arch.head_dim,
+                                                          KernelSettings()), True)
+
+    def view_with(settings: KernelSettings) -> object:
+        if decode == "batch_invariant":
+            backend = bi.BatchInvariantAttention(backend="triton", settings=settings)
+            backend._triton = tb.TritonPagedAttention(decode="canonical", settings=settings)
+            backend._paged = lambda device: backend._triton
+        else:
+            backend = tb.TritonPagedAttention(decode="canonical" if decode == "canonical" else "split",
+                                              settings=settings)
+        return model.with_numerics(_InterpretedFusedOps(), backend)
+
     fused_calls = []
     plain = packed.canonical_decode_attention
 
@@ -332,9 +338,9 @@ def test_model_with_rope_in_canonical_kernel_equals_it_off(tf: ModuleType, paged
     mask = torch.tensor([1, 0], dtype=torch.int32) if decode == "mixed" else None
     logits, caches, calls = [], [], []
     for on in (True, False):
-        monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", on)
         fused_calls.clear()
-        out, cache = _prefill_then_decode(view, seed=4, canonical_rows=mask)
+        out, cache = _prefill_then_decode(view_with(KernelSettings(fuse_rope_canonical=on)), seed=4,
+                                          canonical_rows=mask)
         logits.append(out)
         caches.append(cache)
         calls.append(list(fused_calls))
@@ -359,16 +365,16 @@ def test_decode_rope_in_split_kernel_equals_rope_write_kv_then_decode(tf: Module
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_rope_in_canonical_kernel_equals_rope_write_kv_then_decode(
-        tf: ModuleType, paged_loops: None, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+        tf: ModuleType, paged_loops: None, dtype: torch.dtype) -> None:
     """The same in the packed canonical decode kernel: a step with canonical rows (split kernel for the
     others, each kernel storing its own rows' K/V) and an all-canonical step, bitwise against rope_write_kv
     then the kernels; 64-key chunks so that rows span 1-3 chunks merged by their last program."""
     from engine.attention import triton_paged as tp
+    from engine.config import KernelSettings
     from tests.engine.gpu_reference import check_decode_rope_fusion
 
-    monkeypatch.setattr(tp, "PREFILL_CHUNK", 64)
     check_decode_rope_fusion(tf, tp, "cpu", dtype, [1, 70, 9, 130, 64, 65], (8, 2, 64, 16), (64,), seed=6,
-                             canonical=[1, 1, 0, 1, 0, 1])
+                             canonical=[1, 1, 0, 1, 0, 1], settings=KernelSettings(chunk=64))
 
 
 def test_decode_rope_rejects_misshaped_inputs(paged_loops: None) -> None:

@@ -84,31 +84,28 @@ def test_alone_equals_batched_and_preempted(make_llm: Any, source: Any) -> None:
 
 
 @pytest.mark.parametrize("fuse_rope", [False, True])
-def test_chunked_prefill_and_decode_equal_whole_prefill_cuda(bi_model: Any, fuse_rope: bool,
-                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """fuse_rope: triton_paged.FUSE_ROPE_CANONICAL, RoPE and the K/V store inside the canonical decode kernel."""
-    from engine.attention import triton_paged as tp
+def test_chunked_prefill_and_decode_equal_whole_prefill_cuda(bi_model: Any, fuse_rope: bool) -> None:
+    """fuse_rope: KernelSettings.fuse_rope_canonical, RoPE and the K/V store inside the canonical decode kernel."""
+    from engine.config import KernelSettings
     from tests.engine.test_batch_invariant_mode import prefill_variants
 
-    monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", fuse_rope)
-
+    model = bi_model.with_kernels(KernelSettings(fuse_rope_canonical=fuse_rope))
     rng = random.Random(3)
-    variants = prefill_variants(bi_model, [rng.randrange(3, 1000) for _ in range(40)], [5] * 9)
+    variants = prefill_variants(model, [rng.randrange(3, 1000) for _ in range(40)], [5] * 9)
     for name, logits in variants.items():
         assert torch.equal(logits, variants["whole"]), name
 
 
-def test_rope_in_canonical_kernel_gives_the_same_bits(make_llm: Any, source: Any,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """triton_paged.FUSE_ROPE_CANONICAL on and off (graphs captured under each): the load test's first run
+def test_rope_in_canonical_kernel_gives_the_same_bits(make_llm: Any, source: Any) -> None:
+    """KernelSettings.fuse_rope_canonical on and off (graphs captured under each): the load test's first run
     gives the same token ids and logprobs."""
-    from engine.attention import triton_paged as tp
+    from engine.config import KernelSettings
 
     det, pool = load_workload(source.tokenizer, deterministic=lambda i: i % 4 < 2)
     runs = []
     for on in (False, True):
-        monkeypatch.setattr(tp, "FUSE_ROPE_CANONICAL", on)
-        runs.append(load_run(make_llm(max_num_seqs=96), det, pool, seed=0))
+        runs.append(load_run(make_llm(max_num_seqs=96, kernels=KernelSettings(fuse_rope_canonical=on)), det, pool,
+                             seed=0))
     assert_same(runs[0], runs[1])
 
 
@@ -121,7 +118,7 @@ def test_runs_triton_kernels(make_llm: Any) -> None:
     assert fp["attention_kernel"].startswith("triton-paged") and fp["bi_matmul"].startswith("verbatim-bi-matmul")
     assert fp["row_kernels"].startswith("verbatim-fused-rows")  # BatchInvariantOps runs triton_fused on CUDA
     from engine.attention.metadata import AttentionMetadata, PassKind
-    from engine.attention.triton_paged import TritonPlan
+    from engine.attention.triton_backend import TritonPlan
 
     one = torch.ones(1, dtype=torch.int32, device="cuda")
     meta = AttentionMetadata(PassKind.DECODE, one.long(), torch.tensor([0, 1], dtype=torch.int32, device="cuda"),

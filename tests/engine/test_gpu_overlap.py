@@ -61,7 +61,7 @@ def test_dvr_bits_with_overlap_and_concurrent_canonical_rows(make_real_llm: Any,
 
 
 def test_side_stream_canonical_rows_equal_one_stream() -> None:
-    from engine.attention import triton_paged as tp
+    from engine.attention.triton_backend import TritonPagedAttention
     from tests.engine.test_canonical_decode import _decode_meta, _kv_at
     from tests.engine.gpu_reference import make_paged_case
 
@@ -72,7 +72,7 @@ def test_side_stream_canonical_rows_equal_one_stream() -> None:
     k, v = _kv_at(case, meta.slot_mapping)
     outs = []
     for concurrent in (True, False):
-        backend = tp.TritonPagedAttention()
+        backend = TritonPagedAttention()
         backend.concurrent_canonical = concurrent
         outs.append(backend.forward(case["q"], k, v, case["k_cache"], case["v_cache"], backend.plan(meta, 16),
                                     128 ** -0.5))

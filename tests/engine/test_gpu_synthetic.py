@@ -72,7 +72,7 @@ def test_engine_serves_a_synthetic_model_by_name() -> None:
     """EngineConfig.model = "synthetic:<preset>[:peaked]": the seed-0 weights of build_synthetic_model, a
     word-level tokenizer over the vocabulary, identity digests that tell peaked from plain."""
     from engine.config import EngineConfig
-    from engine.model_runner import load_model
+    from engine.loading import load_model
 
     loaded = load_model(EngineConfig(model="synthetic:tiny:peaked"))
     reference = build_synthetic_model("tiny", torch.float32, "cpu", seed=0, peaked=True)

@@ -66,21 +66,20 @@ def test_carried_attention_on_cuda(dtype: torch.dtype) -> None:
 
 
 def test_concurrent_carried_rows_give_the_same_bits(make_real_llm: Any, smollm2_source: Any) -> None:  # noqa: F811
-    """triton_paged.CONCURRENT_CARRIED (off by default): the
+    """KernelSettings.concurrent_carried (off by default): the
     carried rows' kernel on the side stream, eager and captured in the verify graph, changes no bit."""
-    from engine.attention import triton_paged as tp
+    from engine.config import KernelSettings
 
     prompts, params = _workload(smollm2_source.tokenizer)
     cfg = dict(window=16, group=4, num_kv_blocks=600, cuda_graphs=True, max_num_seqs=16)
     want = staggered(make_real_llm(**cfg), prompts, params, every=2, seed=3)
-    tp.CONCURRENT_CARRIED = True
-    try:
-        llm = make_real_llm(**cfg)
-        assert "+verify" in llm.core.runner.graphs_status, llm.core.runner.graphs_status
-        got = staggered(llm, prompts, params, every=2, seed=3)
-        eager = staggered(make_real_llm(**{**cfg, "cuda_graphs": False}), prompts, params, every=2, seed=3)
-    finally:
-        tp.CONCURRENT_CARRIED = False
+    concurrent = KernelSettings(concurrent_carried=True)
+    llm = make_real_llm(kernels=concurrent, **cfg)
+    assert llm.core.runner.model.attention.settings.concurrent_carried
+    assert "+verify" in llm.core.runner.graphs_status, llm.core.runner.graphs_status
+    got = staggered(llm, prompts, params, every=2, seed=3)
+    eager = staggered(make_real_llm(kernels=concurrent, **{**cfg, "cuda_graphs": False}), prompts, params, every=2,
+                      seed=3)
     assert_same(want, got)
     assert_same(want, eager)
     # the fast path's tokens (the carried rows' candidates) are the same too: same kernels, same inputs

@@ -109,9 +109,10 @@ def test_lookahead_changes_passes_not_bits(make_mock_llm, workload, noise: float
 
 
 def test_clean_fast_path_fills_passes_with_several_windows_of_a_row(make_mock_llm, workload) -> None:
+    """Verify cadence off: two rows are a small batch, which it would verify before they run ahead."""
     prompts, params = workload
-    one = make_mock_llm(decode_noise=0.0, dvr_lookahead=W - 1)
-    many = make_mock_llm(decode_noise=0.0, dvr_lookahead=(G - 1) * W)
+    one = make_mock_llm(decode_noise=0.0, dvr_lookahead=W - 1, verify_cadence_steps=0)
+    many = make_mock_llm(decode_noise=0.0, dvr_lookahead=(G - 1) * W, verify_cadence_steps=0)
     plans = _verify_plans(many)
     a, b = one.generate(prompts[:2], params[:2]), many.generate(prompts[:2], params[:2])
     assert_same(a, b)
@@ -127,10 +128,12 @@ def test_clean_fast_path_fills_passes_with_several_windows_of_a_row(make_mock_ll
 
 def test_a_rolled_back_window_drops_the_later_ones(make_mock_llm, workload, monkeypatch) -> None:
     """Faults in the fast path: later windows of a row whose earlier window rolled back in the same pass
-    are not applied (window_applies False), and the committed output is the fault-free one."""
+    are not applied (window_applies False), and the committed output is the fault-free one. Verify cadence
+    off: it verifies the batch's tail before the rows run ahead."""
     prompts, params = workload
     ref = make_mock_llm(decode_noise=0.0, dvr_lookahead=0).generate(prompts, params)
-    llm = make_mock_llm(decode_noise=0.0, dvr_lookahead=(G - 1) * W, fault_rate=0.05, fault_seed=3)
+    llm = make_mock_llm(decode_noise=0.0, dvr_lookahead=(G - 1) * W, fault_rate=0.05, fault_seed=3,
+                        verify_cadence_steps=0)
     import engine.core as core_mod
     skipped = {"n": 0}
     original = core_mod.window_applies

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from engine.sampling import SAMPLER_ID, SamplingParams, keep_mask, sample_row, uniform
+from engine.noise import uniform
+from engine.sampling import SAMPLER_ID, SamplingParams, keep_mask, sample_row
 
 # chi-square critical values at p = 1e-6, by degrees of freedom: a correct sampler fails a random seed
 # with probability 1e-6 (the false-alarm rate); with the fixed seeds below the outcome is fixed.
@@ -114,7 +115,7 @@ def test_partial_sort_masks_equal_full_sort() -> None:
 def test_noise_keys_of_many_rows_equal_each_rows_key() -> None:
     """The device sampler hashes all rows' keys in one call: each must be that row's noise_key, seeds over
     the whole uint64 range included."""
-    from engine.sampling import noise_key, noise_keys
+    from engine.noise import noise_key, noise_keys
 
     rng = np.random.default_rng(3)
     seeds = [int(x) for x in rng.integers(0, 2**63, 50)] + [0, 2**63, 2**64 - 1]

@@ -117,7 +117,7 @@ def test_attention_kernels_reach_llvm_ir_for_sm90() -> None:
                            (k._decode_split_kernel, split),
                            (k._decode_split_kernel, dict(split, HAS_ROW_MASK=False, FUSE_ROPE=True)),
                            (cd._canonical_decode_kernel, dict(paged, FUSE_ROPE=True)),
-                           # the default 16-row query tile (triton_paged.DEFAULT_QUERY_TILE): no wgmma-sized M
+                           # the default 16-row query tile (KernelSettings.query_tile): no wgmma-sized M
                            (k._prefill_kernel, dict(paged, BLOCK_M=16)),
                            (cd._canonical_decode_kernel, dict(paged, BLOCK_M=16, FUSE_ROPE=True))):
         assert "define ptx_kernel void" in _lower(kernel, consts, llvm=True)

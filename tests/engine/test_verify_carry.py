@@ -152,9 +152,9 @@ def check_carried_attention(backend_name: str, device: str, dtype: Any, shape: t
     v = vc.view(-1, *vc.shape[2:])[slots].clone()
     scale = hd ** -0.5
     if backend_name == "triton":
-        from engine.attention import triton_paged as tp
+        from engine.attention.triton_backend import TritonPagedAttention
 
-        backend: Any = tp.TritonPagedAttention()
+        backend: Any = TritonPagedAttention()
     else:
         from engine.attention.torch_backend import TorchAttention
 

@@ -1,13 +1,14 @@
-"""`python -m engine bench`: throughput of the engine (nondeterministic and DVR at several deterministic
+"""`python -m bench cpu`: throughput of the engine (nondeterministic and DVR at several deterministic
 shares) against transformers `generate`, rollback / recompute rates, peak RSS and KV-cache size; and
 `--replay`: replaying N transcripts together against the time it took to generate them.
 Results go to bench/results/<date>-<machine>[-replay].json and a table on stdout."""
 from __future__ import annotations
 
+import argparse
 import gc
-import json
 import platform
 import resource
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -17,10 +18,12 @@ from typing import Any, TypeVar
 
 import torch
 
+from bench.engine_bench.results import write_result
 from engine.config import EngineConfig, Mode
 from engine.fingerprint import cpu_model, runtime_fingerprint
 from engine.llm import LLM
-from engine.model_runner import LoadedModel, load_model
+from engine.loading import load_model
+from engine.model_runner import LoadedModel
 from engine.replay import ReplayRequest
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -211,8 +214,41 @@ def format_table(result: dict[str, Any]) -> str:
 def run_bench(args: BenchArgs) -> tuple[dict[str, Any], Path]:
     result = run_replay(args) if args.replay else run_throughput(args)
     day = datetime.now(timezone.utc).strftime("%Y-%m-%d")
-    name = f"{day}-cpu-{machine_name()}{'-replay' if args.replay else ''}{'-' + args.tag if args.tag else ''}.json"
-    path = Path(args.out_dir) / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    return result, path
+    name = f"{day}-cpu-{machine_name()}{'-replay' if args.replay else ''}{'-' + args.tag if args.tag else ''}"
+    return result, write_result(result, args.out_dir, name)
+
+
+def parse_args(argv: list[str]) -> BenchArgs:
+    p = argparse.ArgumentParser(prog="python -m bench cpu", description=__doc__.split("\n")[0])
+    p.add_argument("--replay", action="store_true", help="replay N transcripts together vs generating them")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--det-shares", default="0,0.1,0.5,1", help="comma-separated deterministic shares")
+    p.add_argument("--hf-batch1-prompts", type=int, default=4)
+    p.add_argument("--replay-transcripts", type=int, default=32)
+    p.add_argument("--replay-tokens", type=int, default=256)
+    p.add_argument("--out-dir", default="bench/results")
+    p.add_argument("--tag", default="", help="suffix for the result file name")
+    p.add_argument("--model", default="default",
+                   help="'default', a model folder, a .gguf file or a Hugging Face id (no env default)")
+    p.add_argument("--window", type=int, default=32)
+    p.add_argument("--group", type=int, default=8)
+    p.add_argument("--kv-blocks", type=int, default=514)
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    a = p.parse_args(argv)
+    return BenchArgs(model=a.model, num_prompts=a.num_prompts, max_tokens=a.max_tokens,
+                     det_shares=tuple(float(x) for x in a.det_shares.split(",")), window=a.window, group=a.group,
+                     num_kv_blocks=a.kv_blocks, threads=a.threads, hf_batch1_prompts=a.hf_batch1_prompts,
+                     out_dir=a.out_dir, replay=a.replay, replay_transcripts=a.replay_transcripts,
+                     replay_tokens=a.replay_tokens, tag=a.tag)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine import progress
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    progress.log_to_stderr()
+    result, path = run_bench(args)
+    print(format_table(result))
+    print(f"written: {path}")
+    return 0

@@ -1,6 +1,6 @@
 """Probe of the batch-invariant Triton GEMM's tile configurations on a CUDA GPU (issue 6).
 
-    python -m engine.bench_bi_matmul --out DIR
+    python -m bench bi-matmul --out DIR
 
 For the Llama-3.1-8B linear shapes it records, per tile configuration (BLOCK_M, BLOCK_N, BLOCK_K,
 warps, stages): the median time at M in {1, 16, 64, 128, 256, 512, 2048, 4096} next to cuBLAS, and
@@ -15,9 +15,10 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 import torch
+
+from bench.engine_bench.results import write_result
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}
@@ -38,7 +39,7 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages)
 
 
 def _time(fn, reps: int = 15) -> float:
-    from engine.bench_gpu import time_cuda
+    from bench.engine_bench.common import time_cuda
 
     return time_cuda(fn, reps=reps, warmup=1)["median_ms"]
 
@@ -56,13 +57,13 @@ def _launch(kernel, x, w, out, cfg):
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from engine.kernels.triton_matmul import _matmul_kernel
 
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m bench bi-matmul", description=__doc__.split("\n")[0])
     p.add_argument("--out", default=".")
     p.add_argument("--shapes", default=",".join(SHAPES))
-    a = p.parse_args()
+    a = p.parse_args(argv)
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(0)
     result: dict = {"device": torch.cuda.get_device_name(), "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -107,9 +108,5 @@ def main() -> None:
                   flush=True)
         del w, x
         torch.cuda.empty_cache()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "bi-matmul-probe.json").write_text(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()
+    write_result(result, a.out, "bi-matmul-probe")
+    return 0

@@ -11,85 +11,80 @@ from typing import Any
 import pytest
 import torch
 
-from engine import bench_gpu as bg
+from bench.engine_bench import cli, common, mixes, report, smollm2
+from bench.engine_bench import modes as mode_runs
 
 
 def test_presets_expand_in_order_without_duplicates() -> None:
-    assert bg.expand_sections("core") == list(bg.SECTION_PRESETS["core"])
-    assert bg.expand_sections("bandwidth,core")[0] == "bandwidth"
-    assert bg.expand_sections("bandwidth,core").count("bandwidth") == 1
-    assert bg.expand_sections("all") == list(bg.ALL_SECTIONS)
-    assert set(bg.ALL_SECTIONS) == set(bg.SECTIONS)
+    assert cli.expand_sections("core") == list(cli.SECTION_PRESETS["core"])
+    assert cli.expand_sections("bandwidth,core")[0] == "bandwidth"
+    assert cli.expand_sections("bandwidth,core").count("bandwidth") == 1
+    assert cli.expand_sections("all") == list(cli.ALL_SECTIONS)
+    assert set(cli.ALL_SECTIONS) == set(cli.SECTIONS)
     with pytest.raises(ValueError, match="unknown sections"):
-        bg.expand_sections("core,nope")
+        cli.expand_sections("core,nope")
 
 
-def test_compare_modes_is_the_whole_comparison_and_routes_to_the_gpu_bench() -> None:
-    """`python -m engine bench --compare-modes` (issue 6's command): every mode-comparison section and the
-    W/G sweep, whatever --sections says; the CLI sends it to the GPU bench unless --device cpu is given."""
-    from engine.cli import wants_cuda_bench
-
-    args = bg.parse_args(["--compare-modes", "--sections", "core"])
+def test_compare_modes_is_the_whole_comparison() -> None:
+    """`python -m bench engine --compare-modes` (issue 6's command): every mode-comparison section and the
+    W/G sweep, whatever --sections says."""
+    args = cli.parse_args(["--compare-modes", "--sections", "core"])
     assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
                                   "compare_modes_synthetic_long", "wg_sweep"]
-    assert bg.parse_args([]).section_names == list(bg.SECTION_PRESETS["core"])
-    assert wants_cuda_bench(["bench", "--compare-modes"])
-    assert wants_cuda_bench(["bench", "--device", "cuda"]) and wants_cuda_bench(["bench", "--device=cuda"])
-    assert not wants_cuda_bench(["bench", "--compare-modes", "--device", "cpu"])
-    assert not wants_cuda_bench(["bench"]) and not wants_cuda_bench(["generate", "--compare-modes"])
+    assert cli.parse_args([]).section_names == list(cli.SECTION_PRESETS["core"])
 
 
 def test_budgets_parse() -> None:
-    assert bg.parse_budgets("") == {}
-    assert bg.parse_budgets("90")["wg_sweep"] == 90.0
-    assert bg.parse_budgets("wg_sweep=200,hf_generate=60") == {"wg_sweep": 200.0, "hf_generate": 60.0}
+    assert cli.parse_budgets("") == {}
+    assert cli.parse_budgets("90")["wg_sweep"] == 90.0
+    assert cli.parse_budgets("wg_sweep=200,hf_generate=60") == {"wg_sweep": 200.0, "hf_generate": 60.0}
     with pytest.raises(ValueError, match="unknown section"):
-        bg.parse_budgets("nope=3")
+        cli.parse_budgets("nope=3")
 
 
 def test_parse_args_defaults() -> None:
-    args = bg.parse_args(["--device", "cuda", "--sections", "modes,long", "--budget-s", "wg_sweep=5"])
+    args = cli.parse_args(["--sections", "modes,long", "--budget-s", "wg_sweep=5"])
     assert args.section_names == ["smollm2_rollback", "compare_modes", "compare_modes_synthetic",
                                   "compare_modes_synthetic_long"]
     # the default injected rate is the committed SmolLM2 measurement the constant cites
     rollback = Path(__file__).resolve().parents[2] / "bench/results/2026-11-29-h200/gpu-bench-rollback.json"
     w32 = json.loads(rollback.read_text())["smollm2_rollback"]["runs"]["W32-canonical"]
-    assert args.fault_rate == bg.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
+    assert args.fault_rate == smollm2.COMMITTED_SMOLLM2_FAULT_RATE == w32["rollbacks_per_committed_token"]
     assert args.long_sets == ["16x4096x1024"] and args.synthetic_sets == ["sharegpt", "16x1024x256", "sharegpt-896x640"]
     assert args.rollback_decode_attention == ["canonical", "split"]
     # --decode-cublaslt-min-rows: unset = the engine's default; 0 and other values kept
-    assert args.decode_cublaslt_min_rows is None and bg.cublaslt_min_rows(args) == 32
-    assert bg.cublaslt_min_rows(bg.parse_args(["--decode-cublaslt-min-rows", "0"])) == 0
-    assert bg.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
+    assert args.decode_cublaslt_min_rows is None and common.cublaslt_min_rows(args) == 32
+    assert common.cublaslt_min_rows(cli.parse_args(["--decode-cublaslt-min-rows", "0"])) == 0
+    assert cli.parse_args(["--fault-rate", "0.02"]).fault_rate == 0.02
     # --fuse-rope-canonical: unset keeps the module's value; on / off only
-    assert args.fuse_rope_canonical is None and bg.parse_args(["--fuse-rope-canonical", "on"]).fuse_rope_canonical == "on"
+    assert args.fuse_rope_canonical is None and cli.parse_args(["--fuse-rope-canonical", "on"]).fuse_rope_canonical == "on"
     with pytest.raises(SystemExit):
-        bg.parse_args(["--fuse-rope-canonical", "yes"])
+        cli.parse_args(["--fuse-rope-canonical", "yes"])
     # --query-tile: unset keeps the module's DEFAULT_QUERY_TILE (16); 16 / 32 / 64 only
-    assert args.query_tile is None and bg.parse_args(["--query-tile", "64"]).query_tile == 64
+    assert args.query_tile is None and cli.parse_args(["--query-tile", "64"]).query_tile == 64
     with pytest.raises(SystemExit):
-        bg.parse_args(["--query-tile", "48"])
+        cli.parse_args(["--query-tile", "48"])
     # --prefill-pass-tile (plain prefill passes) and --verify-decode-rows (D): unset = the engine's
-    assert args.prefill_pass_tile is None and bg.parse_args(["--prefill-pass-tile", "64"]).prefill_pass_tile == 64
+    assert args.prefill_pass_tile is None and cli.parse_args(["--prefill-pass-tile", "64"]).prefill_pass_tile == 64
     with pytest.raises(SystemExit):
-        bg.parse_args(["--prefill-pass-tile", "8"])
-    assert args.verify_decode_rows is None and bg.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
-    assert args.concurrent_carried is None and bg.parse_args(["--concurrent-carried", "on"]).concurrent_carried == "on"
+        cli.parse_args(["--prefill-pass-tile", "8"])
+    assert args.verify_decode_rows is None and cli.parse_args(["--verify-decode-rows", "0"]).verify_decode_rows == 0
+    assert args.concurrent_carried is None and cli.parse_args(["--concurrent-carried", "on"]).concurrent_carried == "on"
     # the A/B flags: unset = the engine's defaults, W = 32, every mode
     ab_flags = (args.canonical_prefill_min_tokens, args.verify_early_decode, args.window, args.modes)
     assert ab_flags == (None, None, 32, [])
-    ab = bg.parse_args(["--canonical-prefill-min-tokens", "2048", "--verify-early-decode", "on", "--window", "16",
+    ab = cli.parse_args(["--canonical-prefill-min-tokens", "2048", "--verify-early-decode", "on", "--window", "16",
                         "--modes", "nondeterministic,dvr_100pct"])
     assert (ab.canonical_prefill_min_tokens, ab.verify_early_decode, ab.window) == (2048, "on", 16)
     assert ab.modes == ["nondeterministic", "dvr_100pct"]
-    assert args.chained_verify is None and bg.parse_args(["--chained-verify", "on"]).chained_verify == "on"
+    assert args.chained_verify is None and cli.parse_args(["--chained-verify", "on"]).chained_verify == "on"
     with pytest.raises(SystemExit):
-        bg.parse_args(["--sections", "nope"])
+        cli.parse_args(["--sections", "nope"])
 
 
-def _ctx(tmp_path: Path, left_s: float = 600.0, modes: list[str] | None = None) -> bg.Ctx:
+def _ctx(tmp_path: Path, left_s: float = 600.0, modes: list[str] | None = None) -> common.Ctx:
     args = argparse.Namespace(mode_repeats=2, profile_modes=["dvr_100pct"], modes=modes or [], sampling="greedy")
-    ctx = bg.Ctx(args=args, device=torch.device("cpu"), result={}, json_path=tmp_path / "r.json")
+    ctx = common.Ctx(args=args, device=torch.device("cpu"), result={}, out_dir=tmp_path, name="r")
     ctx.deadline = time.perf_counter() + left_s
     return ctx
 
@@ -134,9 +129,9 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
     ctx.begin("compare_modes_synthetic", None)
     res = ctx.open({"fault_rate": 0.1, "fault_rate_source": "test", "modes": {}})
     prompts = [[3 + i, 5, 7, 9 + i] for i in range(6)]
-    bg._run_modes(ctx, tiny_make, prompts, [6, 3, 8, 5, 4, 7], 60.0, "t", res["modes"])
+    mode_runs._run_modes(ctx, tiny_make, prompts, [6, 3, 8, 5, 4, 7], 60.0, "t", res["modes"])
     modes = res["modes"]
-    assert list(modes) == [name for name, _, _ in bg.MODES]
+    assert list(modes) == [name for name, _, _ in mixes.MODES]
     for name, entry in modes.items():
         if "error" in entry:  # a mode this CPU build refuses is recorded, not raised
             continue
@@ -160,9 +155,9 @@ def test_run_modes_fills_every_mode_and_the_summary_and_chart(tmp_path: Path, ti
     assert json.loads((tmp_path / "r.json").read_text())["compare_modes_synthetic"]["in_progress"]
     ctx.result["compare_modes_synthetic"] = res
     ctx.result["environment"] = {"device": "cpu", "date_utc": "now", "command": "test"}
-    text = bg.summary(ctx.result)
+    text = report.summary(ctx.result)
     assert "compare_modes_synthetic dvr_100pct" in text and "summary failed" not in text
-    bg.chart(ctx.result, tmp_path / "r.png")
+    report.chart(ctx.result, tmp_path / "r.png")
     assert (tmp_path / "r.png").stat().st_size > 1000
 
 
@@ -171,19 +166,19 @@ def test_run_modes_runs_only_the_modes_asked_for(tmp_path: Path, tiny_make: Any)
     ctx = _ctx(tmp_path, modes=["nondeterministic", "dvr_100pct"])
     ctx.begin("compare_modes_synthetic", None)
     res = ctx.open({"modes": {}})
-    bg._run_modes(ctx, tiny_make, [[3, 5, 7, 9], [4, 5, 7, 10]], [5, 3], 60.0, "t", res["modes"])
+    mode_runs._run_modes(ctx, tiny_make, [[3, 5, 7, 9], [4, 5, 7, 10]], [5, 3], 60.0, "t", res["modes"])
     assert list(res["modes"]) == ["nondeterministic", "dvr_100pct"]
     assert res["modes"]["dvr_100pct"]["stats"]["verify_passes"] > 0
     assert "ratio_to_nondeterministic" in res["modes"]["dvr_100pct"]
 
 
 def test_step_kind_reads_the_pass_counters() -> None:
-    assert bg.step_kind((0, 0, 0), (1, 0, 0), "decode") == "prefill"
-    assert bg.step_kind((1, 2, 3), (1, 3, 3), "decode") == "verify"
-    assert bg.step_kind((1, 2, 3), (1, 2, 4), "decode") == "decode"
-    assert bg.step_kind((1, 2, 3), (1, 2, 4), "decode_after_other") == "decode"
-    assert bg.step_kind((1, 2, 3), (1, 2, 4), "verify") == "decode_after_other"
-    assert bg.step_kind((1, 2, 3), (1, 2, 3), "decode") == "idle"
+    assert mode_runs.step_kind((0, 0, 0), (1, 0, 0), "decode") == "prefill"
+    assert mode_runs.step_kind((1, 2, 3), (1, 3, 3), "decode") == "verify"
+    assert mode_runs.step_kind((1, 2, 3), (1, 2, 4), "decode") == "decode"
+    assert mode_runs.step_kind((1, 2, 3), (1, 2, 4), "decode_after_other") == "decode"
+    assert mode_runs.step_kind((1, 2, 3), (1, 2, 4), "verify") == "decode_after_other"
+    assert mode_runs.step_kind((1, 2, 3), (1, 2, 3), "decode") == "idle"
 
 
 def test_profiled_mode_run_reports_its_run(tmp_path: Path, tiny_make: Any) -> None:
@@ -192,7 +187,7 @@ def test_profiled_mode_run_reports_its_run(tmp_path: Path, tiny_make: Any) -> No
     ctx = _ctx(tmp_path)
     ctx.begin("compare_modes_synthetic", None)
     llm = tiny_make("dvr", 1.0)
-    res = bg._profiled_mode_run(ctx, llm, [[3, 5, 7, 9], [4, 6]], [5, 3], {0, 1}, 60.0, "p")
+    res = mode_runs._profiled_mode_run(ctx, llm, [[3, 5, 7, 9], [4, 6]], [5, 3], {0, 1}, 60.0, "p")
     assert res["wall_s"] > 0 and res["gpu_busy_s"] == 0.0 and res["gaps_s"] == 0.0
     assert res["step_wall_s"]["verify"]["steps"] >= 1
 
@@ -201,7 +196,7 @@ def test_out_of_budget_modes_are_skipped_and_marked(tmp_path: Path, tiny_make: A
     ctx = _ctx(tmp_path, left_s=5.0)
     ctx.begin("compare_modes", None)
     modes: dict[str, Any] = {}
-    bg._run_modes(ctx, tiny_make, [[1, 2, 3]], [4], 60.0, "t", modes)
+    mode_runs._run_modes(ctx, tiny_make, [[1, 2, 3]], [4], 60.0, "t", modes)
     assert ctx.truncated and all(v == {"skipped": "time budget"} for v in modes.values())
 
 
@@ -211,13 +206,13 @@ def test_summary_reads_committed_results() -> None:
     paths = sorted(results.rglob("gpu-bench-*.json"))
     assert len(paths) >= 4, paths
     for path in paths:
-        assert "summary failed" not in bg.summary(json.loads(path.read_text())), path
+        assert "summary failed" not in report.summary(json.loads(path.read_text())), path
 
 
 @pytest.mark.parametrize("name", ["canonical_step_probe.py", "step_probe.py", "verify_probe.py"])
 def test_probe_scripts_import_and_parse_their_arguments(name: str) -> None:
     """The H200 diagnostics `bench/canonical_step_probe.py`, `bench/step_probe.py` and `bench/verify_probe.py`
-    load on a CPU checkout: their imports from engine.bench_gpu resolve and --help lists
+    load on a CPU checkout: their imports from bench.engine_bench resolve and --help lists
     their options (the timing itself needs CUDA)."""
     import subprocess
     import sys
@@ -242,7 +237,7 @@ def test_drive_reports_the_decode_phase(tmp_path: Path, tiny_make: Any) -> None:
     ctx.begin("engine_generate", None)
     llm = tiny_make("nondeterministic", 0.0)
     prompts = [[3 + i, 5, 7, 9 + i] for i in range(6)]
-    res = bg._drive(ctx, llm.core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
+    res = common.drive(ctx, llm.core, prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True),
                     60.0, "dp")
     assert res["committed_tokens"] == 72 and res["finished"] == 6
     assert 0 < res["decode_phase_s"] < res["seconds"] and res["decode_phase_tok_per_s"] > 0
@@ -251,30 +246,64 @@ def test_drive_reports_the_decode_phase(tmp_path: Path, tiny_make: Any) -> None:
 
 
 def test_set_specs_and_the_sharegpt_matched_mix() -> None:
-    assert bg.parse_set_spec("sharegpt", 128) == ("mix", "modes", (512, 128))
-    assert bg.parse_set_spec("sharegpt-896x640", 128) == ("mix", "mix_896x640", (896, 640))
-    assert bg.parse_set_spec("16x1024x256", 128) == ("fixed", "fixed_16x1024x256", (16, 1024, 256))
+    assert mixes.parse_set_spec("sharegpt", 128) == ("mix", "modes", (512, 128))
+    assert mixes.parse_set_spec("sharegpt-896x640", 128) == ("mix", "mix_896x640", (896, 640))
+    assert mixes.parse_set_spec("16x1024x256", 128) == ("fixed", "fixed_16x1024x256", (16, 1024, 256))
     for bad in ("sharegpt-896", "sharegpt-16x640", "16x1024", "4x0x3", "sharegpt-ax3"):
         with pytest.raises(ValueError, match="request set"):
-            bg.parse_set_spec(bad, 128)
+            mixes.parse_set_spec(bad, 128)
     # the 96 requests the bench draws (seeds 11 / 13): the matched mix averages ShareGPT's per-request means
     # as SGLang's benchmark samples them (676,842 / 3000 = 226 prompt, 613,123 / 3000 = 204 output tokens)
     # within 2 %; the plain mix's outputs are 3.4x shorter
-    prompts, outputs = bg.sharegpt_like_lengths(96, 11, 16, 896), bg.sharegpt_like_lengths(96, 13, 16, 640)
+    prompts, outputs = mixes.sharegpt_like_lengths(96, 11, 16, 896), mixes.sharegpt_like_lengths(96, 13, 16, 640)
     assert min(prompts + outputs) >= 16 and max(prompts) <= 896 and max(outputs) <= 640
     assert abs(sum(prompts) / 96 / (676842 / 3000) - 1) < 0.02
     assert abs(sum(outputs) / 96 / (613123 / 3000) - 1) < 0.02
-    short = bg.sharegpt_like_lengths(96, 13, 16, 128)
+    short = mixes.sharegpt_like_lengths(96, 13, 16, 128)
     assert 3.3 < (613123 / 3000) / (sum(short) / 96) < 3.5
     # the distribution's mean, which the draws follow
-    assert abs(bg.log_uniform_mean(16, 896) / (sum(prompts) / 96) - 1) < 0.05
+    assert abs(mixes.log_uniform_mean(16, 896) / (sum(prompts) / 96) - 1) < 0.05
 
 
 def test_sampling_presets_set_the_mix_requests_parameters() -> None:
-    from engine.bench_gpu import SAMPLING_PRESETS, mix_params, parse_args
+    from bench.engine_bench.cli import parse_args
+    from bench.engine_bench.mixes import SAMPLING_PRESETS, mix_params
 
     assert parse_args(["--sampling", "top_p"]).sampling == "top_p"
     p = mix_params("top_p", 12, True, 3)
     assert (p.temperature, p.top_p, p.max_tokens, p.deterministic, p.seed, p.ignore_eos) == (0.8, 0.95, 12, True, 3, True)
     assert mix_params("greedy", 5, False, 1).temperature == 0.0
     assert set(SAMPLING_PRESETS) == {"greedy", "temperature", "top_p", "top_k", "min_p"}
+
+
+@pytest.mark.parametrize(("command", "flag"), [("engine", "--sections"), ("replay", "--transcripts"),
+                                              ("cpu", "--det-shares"), ("bi-matmul", "--shapes")])
+def test_python_m_bench_reaches_each_command(command: str, flag: str) -> None:
+    """`python -m bench COMMAND --help` (the commands bench/h200.sh runs) reaches that command's parser."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "bench", command, "--help"], capture_output=True, text=True,
+                          timeout=300, cwd=root)
+    assert proc.returncode == 0 and proc.stdout.startswith(f"usage: python -m bench {command}"), proc.stderr
+    assert flag in proc.stdout
+
+
+def test_python_m_bench_names_its_commands() -> None:
+    from bench.__main__ import COMMANDS, main
+
+    assert main(["nope"]) == 2 and main([]) == 2
+    assert set(COMMANDS) == {"engine", "replay", "cpu", "bi-matmul"}
+
+
+def test_replay_bench_smoke_on_the_cpu(tmp_path: Path) -> None:
+    """`python -m bench replay --device cpu` on the tiny synthetic preset: every replay reproduces its
+    transcript, and the result lands at <out>/<name>.json through the one results writer."""
+    from bench.engine_bench import replay
+
+    code = replay.main(["--device", "cpu", "--preset", "tiny", "--transcripts", "3", "--tokens", "10",
+                        "--prompt-len", "6", "--window", "4", "--group", "2", "--out", str(tmp_path), "--name", "r"])
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert code == 0 and result["all_match"] and result["matches"] == 3
+    assert result["command"].startswith("python -m bench replay")

@@ -1,4 +1,4 @@
-"""`python -m engine bench --replay --device cuda`: replay cost on the GPU (issue 4's H200 target, <= 0.2x).
+"""`python -m bench replay`: replay cost on the GPU (issue 4's H200 target, <= 0.2x).
 
 Generates N deterministic transcripts of T tokens with DVR on a synthetic model (default: the
 Llama-3.1-8B shape, seeded random weights made on the device), then replays all of them together
@@ -15,19 +15,18 @@ import argparse
 import json
 import time
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from engine.bench_gpu import BLOCK_SIZE, engine_shape, synthetic_config, time_wall
+from bench.engine_bench.common import BLOCK_SIZE, engine_shape, synthetic_config, time_wall
+from bench.engine_bench.results import write_result
 from engine.config import RESERVED_BLOCKS
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine bench --replay --device cuda", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench replay", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--replay", action="store_true", help="accepted for `python -m engine bench`")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke run only")
     p.add_argument("--preset", default="llama-3.1-8b")
     p.add_argument("--layers", type=int, default=0, help="override the preset's layer count (quick runs)")
@@ -119,11 +118,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     result = run(args)
-    result["command"] = "python -m engine bench " + " ".join(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{args.name}.json"
-    path.write_text(json.dumps(result, indent=1))
+    result["command"] = "python -m bench replay " + " ".join(argv)
+    path = write_result(result, args.out, args.name)
     print(json.dumps({k: v for k, v in result.items() if k != "args"}, indent=1))
     print(f"written: {path}")
     return 0 if result["all_match"] else 1

@@ -1,0 +1,3 @@
+from bench.engine_bench.cli import main
+
+raise SystemExit(main())

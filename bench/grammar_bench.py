@@ -1,0 +1,214 @@
+"""Grammar libraries on the default model's vocabulary: what a JSON schema costs to compile and per token.
+
+    python bench/grammar_bench.py --out DIR [--repeats 5] [--threads 1]
+
+For xgrammar and llguidance, on SmolLM2's tokenizer (49152 ids), host only:
+- tokenizer_s: building the library's vocabulary structure (once per engine);
+- compile_s per grammar (median of cold compiles: no cache): two JSON schemas (a small object, a nested order
+  with arrays, enums and bounds) and any JSON object;
+- per token, along a valid instance (separators ", " and ": ", no other whitespace) tokenized as the model
+  would emit it (then EOS): the time to fill the
+  next-token bitmask (mask_us: mean, p50, p99, max) and to accept the token (accept_us);
+- verify_walk_us: a DVR verify window of 8 candidates: roll back 8 tokens, then fill a mask and accept a
+  token 8 times (what the engine does per verified row).
+Writes DIR/grammar-bench.json (command, versions, machine, date).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
+                   "email": {"type": "string"}},
+    "required": ["name", "age", "email"], "additionalProperties": False,
+}
+ORDER = {
+    "type": "object",
+    "properties": {
+        "order_id": {"type": "string"},
+        "status": {"enum": ["pending", "shipped", "delivered", "cancelled"]},
+        "customer": {"type": "object", "properties": {
+            "name": {"type": "string"}, "vip": {"type": "boolean"},
+            "address": {"type": "object", "properties": {"street": {"type": "string"}, "city": {"type": "string"},
+                                                         "zip": {"type": "string"}},
+                        "required": ["street", "city", "zip"], "additionalProperties": False}},
+            "required": ["name", "vip", "address"], "additionalProperties": False},
+        "items": {"type": "array", "minItems": 1, "items": {"type": "object", "properties": {
+            "sku": {"type": "string"}, "quantity": {"type": "integer", "minimum": 1, "maximum": 100},
+            "price": {"type": "number"}}, "required": ["sku", "quantity", "price"], "additionalProperties": False}},
+        "notes": {"type": ["string", "null"]},
+    },
+    "required": ["order_id", "status", "customer", "items", "notes"], "additionalProperties": False,
+}
+INSTANCES = {
+    "person": {"name": "Ada Lovelace", "age": 36, "email": "ada@example.com"},
+    "order": {"order_id": "A-1029", "status": "shipped",
+              "customer": {"name": "Grace Hopper", "vip": True,
+                           "address": {"street": "1 Navy Way", "city": "Arlington", "zip": "22201"}},
+              "items": [{"sku": "KB-77", "quantity": 2, "price": 49.5}, {"sku": "MS-3", "quantity": 1, "price": 19.99}],
+              "notes": None},
+}
+SCHEMAS = {"person": PERSON, "order": ORDER}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def summary_us(samples: list[float]) -> dict[str, float]:
+    us = sorted(s * 1e6 for s in samples)
+    return {"mean": round(statistics.fmean(us), 2), "p50": round(us[len(us) // 2], 2),
+            "p99": round(us[min(len(us) - 1, int(len(us) * 0.99))], 2), "max": round(us[-1], 2), "n": len(us)}
+
+
+class XGrammar:
+    name = "xgrammar"
+
+    def __init__(self, tokenizer: Any, vocab: int, eos: list[int], threads: int) -> None:
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.tokenizer_s, self.info = timed(lambda: xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab, stop_token_ids=eos))
+        self.threads = threads
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab)
+
+    def compile(self, schema: dict[str, Any] | None) -> Any:
+        compiler = self.xgr.GrammarCompiler(self.info, max_threads=self.threads, cache_enabled=False)
+        if schema is None:
+            return compiler.compile_builtin_json_grammar()
+        return compiler.compile_json_schema(json.dumps(schema), any_whitespace=False, separators=(", ", ": "),
+                                            strict_mode=True)
+
+    def matcher(self, compiled: Any) -> Any:
+        return self.xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
+
+    def fill(self, m: Any) -> None:
+        m.fill_next_token_bitmask(self.bitmask, 0)
+
+    def accept(self, m: Any, token: int) -> None:
+        assert m.accept_token(token), token
+
+    def rollback(self, m: Any, n: int) -> None:
+        m.rollback(n)
+
+
+class LLGuidance:
+    name = "llguidance"
+
+    def __init__(self, tokenizer: Any, vocab: int, eos: list[int], threads: int) -> None:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+
+        self.llg = llguidance
+        self.fill_fn = llguidance.torch.fill_next_token_bitmask
+        self.tokenizer_s, self.info = timed(lambda: llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab,
+                                                                                 eos_token=eos[0]))
+        self.bitmask = llguidance.torch.allocate_token_bitmask(1, vocab)
+
+    def compile(self, schema: dict[str, Any] | None) -> Any:
+        grammar = self.llg.LLMatcher.grammar_from_json_schema(
+            schema if schema is not None else {"type": "object"},
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        # llguidance compiles lazily: building the matcher is the compile step (the first mask pays the rest)
+        m = self.llg.LLMatcher(self.info, grammar)
+        assert not m.is_error(), m.get_error()
+        return grammar
+
+    def matcher(self, compiled: Any) -> Any:
+        m = self.llg.LLMatcher(self.info, compiled)
+        assert not m.is_error(), m.get_error()
+        return m
+
+    def fill(self, m: Any) -> None:
+        self.fill_fn(m, self.bitmask, 0)
+
+    def accept(self, m: Any, token: int) -> None:
+        assert m.consume_token(token), (token, m.get_error())
+
+    def rollback(self, m: Any, n: int) -> None:
+        m.rollback(n)
+
+
+def measure(lib: Any, tokenizer: Any, eos: int, repeats: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"tokenizer_s": round(lib.tokenizer_s, 4), "grammars": {}}
+    for name, schema in [*SCHEMAS.items(), ("json_object", None)]:
+        compiles = [timed(lambda: lib.compile(schema))[0] for _ in range(repeats)]
+        compiled = lib.compile(schema)
+        instance = INSTANCES.get(name, INSTANCES["order"])
+        tokens = list(tokenizer.encode(json.dumps(instance), add_special_tokens=False)) + [eos]
+        masks: list[float] = []
+        accepts: list[float] = []
+        first_mask: list[float] = []
+        for _ in range(repeats):
+            m = lib.matcher(compiled)
+            for i, t in enumerate(tokens):
+                dt_mask, _ = timed(lambda: lib.fill(m))
+                (first_mask if i == 0 else masks).append(dt_mask)
+                accepts.append(timed(lambda: lib.accept(m, t))[0])
+        walks: list[float] = []
+        body = tokens[:-1]
+        for _ in range(repeats):
+            m = lib.matcher(compiled)
+            for t in body:
+                lib.accept(m, t)
+            for _ in range(len(body) // 8):
+                t0 = time.perf_counter()
+                lib.rollback(m, 8)
+                for t in body[-8:]:
+                    lib.fill(m)
+                    lib.accept(m, t)
+                walks.append(time.perf_counter() - t0)
+        out["grammars"][name] = {
+            "compile_s": {"median": round(statistics.median(compiles), 5), "max": round(max(compiles), 5)},
+            "instance_tokens": len(tokens),
+            "first_mask_us": summary_us(first_mask), "mask_us": summary_us(masks), "accept_us": summary_us(accepts),
+            "verify_walk_8_us": summary_us(walks),
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1, help="xgrammar compile threads (llguidance compiles lazily)")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    from engine.loader import load_model_source
+
+    source = load_model_source("default")
+    tokenizer, vocab = source.tokenizer, int(source.hf_config.vocab_size)
+    eos = sorted(source.info.eos_token_ids)
+    results: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "model": source.info.name, "vocab_size": vocab, "compile_threads": a.threads,
+        "versions": {p: metadata.version(p) for p in ("xgrammar", "llguidance")}, "libraries": {},
+    }
+    for cls in (XGrammar, LLGuidance):
+        lib = cls(tokenizer, vocab, eos, a.threads)
+        results["libraries"][cls.name] = measure(lib, tokenizer, eos[0], a.repeats)
+        print(cls.name, json.dumps(results["libraries"][cls.name], indent=1), flush=True)
+    a.out.mkdir(parents=True, exist_ok=True)
+    (a.out / "grammar-bench.json").write_text(json.dumps(results, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
