@@ -25,6 +25,7 @@ import torch
 from engine.config import EngineConfig
 from engine.model_runner import Chain, ModelRunner, Row, load_shard
 from engine.parallel import TensorParallel, init_tensor_parallel, pin_nccl_environment
+from engine.sequence import PromptLogprobs
 
 log = logging.getLogger("engine.tp")
 
@@ -94,8 +95,8 @@ def serve(runner: ModelRunner, tp: TensorParallel) -> None:
             return
         try:
             if kind == "prefill":
-                rows, pass_tokens = args
-                runner.prefill(rows, pass_tokens)
+                rows, pass_tokens, prompt_logprobs = args
+                runner.prefill_with_prompts(rows, pass_tokens, prompt_logprobs)
             elif kind == "decode":
                 rows, spec = args
                 runner.decode(rows, chain=_receive_chain(tp, spec, runner.device))
@@ -113,9 +114,10 @@ class DriverRunner(ModelRunner):
 
     tp: TensorParallel
 
-    def prefill(self, rows: list[Row], pass_tokens: int | None = None) -> torch.Tensor:
-        self.tp.send(("prefill", rows, pass_tokens))
-        return super().prefill(rows, pass_tokens)
+    def prefill_with_prompts(self, rows: list[Row], pass_tokens: int | None, prompt_logprobs: dict[int, int]
+                             ) -> tuple[torch.Tensor, dict[int, PromptLogprobs]]:
+        self.tp.send(("prefill", rows, pass_tokens, prompt_logprobs))
+        return super().prefill_with_prompts(rows, pass_tokens, prompt_logprobs)
 
     def decode(self, rows: list[Row], chain: Chain | None = None) -> torch.Tensor:
         self.tp.send(("decode", rows, _chain_spec(chain)))

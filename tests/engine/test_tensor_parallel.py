@@ -166,6 +166,17 @@ def test_tp2_nondeterministic_requests_run_beside(tp2_llm: LLM, workload: Any) -
     assert [len(o.token_ids) for o in outs] == [4, 4, 4] and not any(o.deterministic for o in outs)
 
 
+def test_tp2_prompt_logprobs_close_to_one_rank(make_real_llm, tp2_llm: LLM, workload: Any) -> None:
+    """A prefill that also scores the prompt runs on every rank (the workers run the same pass)."""
+    prompt = workload[0][0]
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=2, deterministic=True, ignore_eos=True)
+    two = tp2_llm.generate([prompt], [params])[0]
+    one = make_real_llm(**SMALL).generate([prompt], [params])[0]
+    assert two.prompt_logprobs is not None and len(two.prompt_logprobs) == len(one.prompt_logprobs)
+    for a, b in zip(two.prompt_logprobs, one.prompt_logprobs):
+        assert abs(a - b) < 1e-3, (a, b)
+
+
 @pytest.mark.slow
 def test_tp2_second_engine_gives_the_same_bits(tp2_llm: LLM, workload: Any, tp2_reference: list[Any]) -> None:
     """Another engine (two new processes) on the same config, the requests staggered among others. A process
