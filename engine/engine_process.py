@@ -241,7 +241,12 @@ class EngineProcess:
                 finished = out.finished
                 yield out
         finally:
-            if not finished:  # client gone: stop spending compute on it
+            if not finished:  # client gone: stop spending compute on it, deliver it nothing more (its loop
+                # may close before the engine process answers)
+                if self._requests.get(rid) is req:
+                    self._requests.pop(rid)
+                    if req.last is not None:
+                        self._remember(self._output(req))
                 self._send_quiet(("abort", rid, None))
 
     async def abort(self, request_id: str) -> RequestOutput | None:
@@ -309,33 +314,39 @@ class EngineProcess:
                 self._proc.join(5)
                 self._fail_all(f"engine process exited (code {self._proc.exitcode})")
                 return
-            if kind == "step":
-                deltas, stats = body
-                if stats is not None:
-                    self._stats = stats
-                self._deliver(deltas, None)
-            elif kind == "rejected":
-                rid, message = body
-                self._deliver([], (rid, ValueError(message)))
-            elif kind == "aborted":
-                token, delta = body
-                loop, fut, rid = self._aborts.pop(token) if token is not None else (None, None, None)
-                self._deliver([delta] if delta is not None else [], None, abort=(loop, fut, rid))
-            elif kind == "replay_progress":
-                token, done, total = body
-                job = self._replays.get(token)
-                if job is not None and job.on_progress is not None:
-                    job.loop.call_soon_threadsafe(job.on_progress, done, total)
-            elif kind == "replayed":
-                token, results, error = body
-                job = self._replays.pop(token, None)
-                if job is not None:
-                    outcome = RuntimeError(error) if error else results
-                    job.loop.call_soon_threadsafe(_settle, job.future, outcome)
-            elif kind == "step_failed":
-                self._deliver([], None, failed=body[0])
-            elif kind == "log":
-                _relog(*body)
+            try:
+                self._handle(kind, body)
+            except Exception:  # noqa: BLE001 - one bad message must not leave every stream waiting
+                log.exception("engine process: handling a %r message failed", kind)
+
+    def _handle(self, kind: str, body: list[Any]) -> None:
+        if kind == "step":
+            deltas, stats = body
+            if stats is not None:
+                self._stats = stats
+            self._deliver(deltas, None)
+        elif kind == "rejected":
+            rid, message = body
+            self._deliver([], (rid, ValueError(message)))
+        elif kind == "aborted":
+            token, delta = body
+            self._deliver([delta] if delta is not None else [], None,
+                          abort=self._aborts.pop(token) if token is not None else None)
+        elif kind == "replay_progress":
+            token, done, total = body
+            job = self._replays.get(token)
+            if job is not None and job.on_progress is not None:
+                _call_soon(job.loop, job.on_progress, done, total)
+        elif kind == "replayed":
+            token, results, error = body
+            job = self._replays.pop(token, None)
+            if job is not None:
+                outcome = RuntimeError(error) if error else results
+                _call_soon(job.loop, _settle, job.future, outcome)
+        elif kind == "step_failed":
+            self._deliver([], None, failed=body[0])
+        elif kind == "log":
+            _relog(*body)
 
     def _deliver(self, deltas: list[Delta], rejected: tuple[str, BaseException] | None, *,
                  abort: tuple[Any, Any, Any] | None = None, failed: str | None = None) -> None:
@@ -346,11 +357,12 @@ class EngineProcess:
         if not loops:
             loops = {None}  # type: ignore[arg-type]
         for loop in loops:
-            apply = (self._apply, deltas, rejected, abort, failed, loop)
             if loop is None:
-                self._apply(*apply[1:])
-            else:
-                loop.call_soon_threadsafe(*apply)
+                self._apply(deltas, rejected, abort, failed, loop)
+            elif not _call_soon(loop, self._apply, deltas, rejected, abort, failed, loop):
+                for rid, req in list(self._requests.items()):  # nobody is left to read these
+                    if req.loop is loop:
+                        self._requests.pop(rid, None)
 
     def _apply(self, deltas: list[Delta], rejected: tuple[str, BaseException] | None, abort: tuple[Any, Any, Any] | None,
                failed: str | None, loop: asyncio.AbstractEventLoop | None) -> None:
@@ -403,12 +415,12 @@ class EngineProcess:
         self._dead = why
         for rid, req in list(self._requests.items()):
             if req.loop is not None and req.queue is not None:
-                req.loop.call_soon_threadsafe(req.queue.put_nowait, RuntimeError(why))
+                _call_soon(req.loop, req.queue.put_nowait, RuntimeError(why))
         self._requests.clear()
         for loop, fut, _ in self._aborts.values():
-            loop.call_soon_threadsafe(_settle, fut, None)
+            _call_soon(loop, _settle, fut, None)
         for job in self._replays.values():
-            job.loop.call_soon_threadsafe(_settle, job.future, RuntimeError(why))
+            _call_soon(job.loop, _settle, job.future, RuntimeError(why))
         self._aborts.clear()
         self._replays.clear()
 
@@ -420,6 +432,15 @@ def _close_at_exit(ref: weakref.ref[EngineProcess]) -> None:
         engine._proc.join(10)
         if engine._proc.is_alive():
             engine._proc.kill()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:
+    """`fn(*args)` on `loop`'s thread; False when that loop has closed (whoever waited there is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _settle(fut: asyncio.Future[Any], outcome: Any) -> None:

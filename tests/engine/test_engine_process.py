@@ -94,6 +94,24 @@ async def test_abort_rejection_and_last_output(mock_process: EngineProcess) -> N
     assert mock_process.stats().running == 0
 
 
+def test_streams_whose_event_loops_closed_do_not_stop_the_others(mock_process: EngineProcess) -> None:
+    """Clients that went away with their event loop (the engine process answers their aborts later) leave
+    the reader serving the requests that follow."""
+    async def leave(i: int) -> None:
+        agen = mock_process.generate([9, 10, 11 + i], SamplingParams(max_tokens=300, ignore_eos=True))
+        await agen.__anext__()
+        await agen.aclose()
+
+    for i in range(3):
+        asyncio.run(leave(i))
+
+    async def finish() -> list:
+        return [o async for o in mock_process.generate([3, 4], SamplingParams(max_tokens=5, ignore_eos=True))]
+
+    outs = asyncio.run(asyncio.wait_for(finish(), 60))
+    assert outs[-1].finished and len(outs[-1].token_ids) == 5
+
+
 async def test_replay_in_the_engine_process(mock_process: EngineProcess) -> None:
     prompts, params = det_workload(6, 64, max_tokens=(10, 20), seed=3)
     made = _offline(prompts, params)
