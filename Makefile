@@ -24,13 +24,9 @@ setup: $(STAMP)
 serve: setup
 	$(VENV)/bin/verbatim serve
 
-# one pytest worker per core; the tests of a file share a worker (tests/conftest.py). The tests that spawn
-# engine processes (tensor-parallel ranks over gloo, the engine process) run after, in one process: under
-# xdist workers their collectives stall.
-SPAWNING_TESTS := tests/engine/test_tensor_parallel.py tests/engine/test_engine_process.py
+# pytest workers in parallel; the tests of a file share a worker (tests/conftest.py)
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup $(addprefix --ignore=,$(SPAWNING_TESTS))
-	$(PY) -m pytest -q -n 0 $(SPAWNING_TESTS)
+	$(PY) -m pytest -q -n auto --dist loadgroup
 
 bench: setup
 	$(PY) -m bench cpu
