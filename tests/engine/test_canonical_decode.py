@@ -240,41 +240,42 @@ def _patch_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
-def _interpreter_main() -> None:
-    """Entry of the TRITON_INTERPRET=1 subprocess (tiny shapes: the interpreter runs numpy)."""
+def _interpreter_main(part: str = "tiles") -> None:
+    """Entry of the TRITON_INTERPRET=1 subprocess (tiny shapes: the interpreter runs numpy). Two parts, each
+    its own subprocess and test: "tiles" (the default settings in both dtypes, the 64-row query tile and the
+    prefill pass tile) and "chunks" (the packed kernel's 64-key chunks and their programs). A setting whose
+    check takes the interpreter long runs in one dtype; both dtypes run in every part."""
     _patch_interpreter_index()
     _patch_interpreter_dot()
-    for dtype in (torch.float32, torch.bfloat16):
-        # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
-        check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
-                               split_size=64)
-    # chunks of 64 keys (the real 256 would leave these tiny rows in one chunk): the packed kernel's
-    # parallel chunks merged by their last program must give the prefill kernel's serial merge
     from engine.attention import triton_canonical_decode as packed
 
+    # chunks of 64 keys (the real 256 would leave these tiny rows in one chunk)
     small = KernelSettings(chunk=64)
-    for dtype in (torch.float32, torch.bfloat16):
-        check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
-                               split_size=64, settings=small)
-        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, small)
-        check_chunk_programs("cpu", dtype, small)
-    # the 64-row query tile (selectable; the default is 16): the same claims with queries at rows p % 64
-    tall = KernelSettings(chunk=64, query_tile=64)
-    for dtype in (torch.float32, torch.bfloat16):
-        check_canonical_decode("cpu", dtype, (6, 2, 16, 16), [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1],
-                               split_size=64, settings=tall)
-        assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
-    for dtype in (torch.float32, torch.bfloat16):
-        check_prefill_pass_tile("cpu", dtype)
+    tall = KernelSettings(chunk=64, query_tile=64)  # the 64-row query tile: queries at rows p % 64
+    lens, mask = [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1]
+    if part == "tiles":
+        for dtype in (torch.float32, torch.bfloat16):
+            # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
+            check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
+                                   split_size=64)
+            check_prefill_pass_tile("cpu", dtype)
+        check_canonical_decode("cpu", torch.float32, (6, 2, 16, 16), lens, mask, split_size=64, settings=tall)
+    else:
+        # the packed kernel's parallel chunks merged by their last program give the prefill kernel's serial merge
+        check_canonical_decode("cpu", torch.bfloat16, (6, 2, 16, 16), lens, mask, split_size=64, settings=small)
+        check_chunk_programs("cpu", torch.float32, small)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, small)
+            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
     print("interpreter ok")
 
 
-def run_under_triton_interpreter(module: str) -> None:
-    """`module._interpreter_main()` in a subprocess with TRITON_INTERPRET=1 (the interpreter is chosen when
+def run_under_triton_interpreter(module: str, *args: str) -> None:
+    """`module._interpreter_main(*args)` in a subprocess with TRITON_INTERPRET=1 (the interpreter is chosen when
     triton is first imported); it must print "interpreter ok"."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
-    code = f"from {module} import _interpreter_main; _interpreter_main()"
+    code = f"from {module} import _interpreter_main; _interpreter_main(*{args!r})"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
@@ -308,8 +309,10 @@ def test_query_tile_changes_the_kernel_identity() -> None:
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 
 
-def test_canonical_rows_under_the_triton_interpreter() -> None:
-    run_under_triton_interpreter("tests.engine.test_canonical_decode")
+@pytest.mark.parametrize("part", [pytest.param(p, marks=pytest.mark.xdist_group(f"canonical-interpreter-{p}"))
+                                  for p in ("tiles", "chunks")])  # each on its own worker
+def test_canonical_rows_under_the_triton_interpreter(part: str) -> None:
+    run_under_triton_interpreter("tests.engine.test_canonical_decode", part)
 
 
 def test_prefill_pass_tile_checks_its_value() -> None:

@@ -87,15 +87,14 @@ def _interpreted_case() -> dict:
     specs = _specs()
     together = _device(x, specs, list(range(len(specs))))
     alone = [_device(x, [specs[i]], [i])[0] for i in range(len(specs))]
+    # the same rows in reverse order, taken from a bigger logits tensor (other row ids, other neighbours)
     perm = list(reversed(range(len(specs))))
-    permuted = _device(x, [specs[i] for i in perm], perm)
-    # the same row sampled from a bigger, different batch (row ids into a larger logits tensor)
     big = torch.cat([_logits(3, VOCAB, seed=9), x])
-    shifted = _device(big, specs, [i + 3 for i in range(len(specs))])
+    permuted = _device(big, [specs[i] for i in perm], [i + 3 for i in perm])
     keys = torch.tensor([row_key(s, p) for _, s, p in specs[:1]], dtype=torch.int64)
     _, _, lse = gumbel_sample(x, torch.tensor([0]), keys, torch.tensor([0.0], dtype=torch.float64))
     return {"together": _as_json(together), "alone": _as_json(alone), "permuted": _as_json(permuted[::-1]),
-            "shifted": _as_json(shifted), "lse0": lse.item()}
+            "lse0": lse.item()}
 
 
 def test_interpreted_kernel_matches_host_and_is_batch_invariant() -> None:
@@ -106,7 +105,7 @@ def test_interpreted_kernel_matches_host_and_is_batch_invariant() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     # bitwise: a row's result never depends on its batch, its index or its neighbours
-    assert got["together"] == got["alone"] == got["permuted"] == got["shifted"]
+    assert got["together"] == got["alone"] == got["permuted"]
     x = _logits(len(PARAMS), VOCAB)
     host = _as_json([sample_row(x[i].numpy(), p, s, pos) for i, (p, s, pos) in enumerate(_specs())])
     for i, (dev, ref) in enumerate(zip(got["together"], host)):
