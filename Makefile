@@ -24,9 +24,10 @@ setup: $(STAMP)
 serve: setup
 	$(VENV)/bin/verbatim serve
 
-# pytest workers in parallel; the tests of a file share a worker (tests/conftest.py)
+# pytest workers in parallel; the tests of a file share a worker, so its module fixtures (a live server, a
+# reference run) are built once
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadgroup
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: setup
 	$(PY) -m bench cpu

@@ -309,10 +309,10 @@ def test_query_tile_changes_the_kernel_identity() -> None:
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 
 
-@pytest.mark.parametrize("part", [pytest.param(p, marks=pytest.mark.xdist_group(f"canonical-interpreter-{p}"))
-                                  for p in ("tiles", "chunks")])  # each on its own worker
-def test_canonical_rows_under_the_triton_interpreter(part: str) -> None:
-    run_under_triton_interpreter("tests.engine.test_canonical_decode", part)
+def test_canonical_rows_under_the_triton_interpreter() -> None:
+    """The "tiles" part; test_canonical_decode_chunks.py runs the "chunks" part (a file of its own, so
+    another worker takes it)."""
+    run_under_triton_interpreter("tests.engine.test_canonical_decode", "tiles")
 
 
 def test_prefill_pass_tile_checks_its_value() -> None:
