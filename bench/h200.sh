@@ -21,8 +21,9 @@
 #   dvrtests    the gpu tests of DVR bits under load, carried rows and overlap
 #   packtests   the gpu tests of packed verify passes, carried rows and the engine's CUDA graphs
 #   chaintests  the gpu tests of overlap and chained verify passes
-#   tests1 / tests2   every `gpu`-marked test of tests/engine in two device calls (GPU_TESTS_1 lists the
-#               first call's files, the second takes the rest)  -> gpu-pytest-1.txt, gpu-pytest-2.txt
+#   tests1 / tests2 / tests3   every `gpu`-marked test of tests/engine in three device calls (GPU_TESTS_1 and
+#               GPU_TESTS_3 list the first and third calls' files, the second takes the rest)
+#                                                 -> gpu-pytest-1.txt, gpu-pytest-2.txt, gpu-pytest-3.txt
 #   sampler     the sampler alone and the SmolLM2 engine per sampling preset: bench/sampler_bench.py
 #                                                                   -> sampler-bench.json
 #   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2:
@@ -116,6 +117,8 @@ stage_chaintests() {
 GPU_TESTS_1="tests/engine/test_sampler_triton.py tests/engine/test_gpu_engine_graphs.py
   tests/engine/test_gpu_verify_packing.py tests/engine/test_canonical_decode.py tests/engine/test_gpu_dvr.py
   tests/engine/test_gpu_overlap.py tests/engine/test_gpu_verify_carry.py"
+GPU_TESTS_3="tests/engine/test_gpu_processors.py tests/engine/test_gpu_query_tile.py
+  tests/engine/test_gpu_tensor_parallel.py"
 
 stage_tests1() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
@@ -124,9 +127,14 @@ stage_tests1() {
 
 stage_tests2() {
   local skip=()
-  for f in $GPU_TESTS_1; do skip+=(--ignore="$f"); done
+  for f in $GPU_TESTS_1 $GPU_TESTS_3; do skip+=(--ignore="$f"); done
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
     "${skip[@]}" tests/engine 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-2.txt" | tail -40
+}
+
+stage_tests3() {
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
+    $GPU_TESTS_3 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-3.txt" | tail -40
 }
 
 stage_sampler() {

@@ -31,9 +31,9 @@ DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 
 # verify cadence (EngineConfig.verify_cadence_steps): decode steps a deterministic row waits at most for its
 # verify pass while the running batch is small. CPU: the largest k that streams 64 tokens in 4 chunks (a pass
-# there costs some 35 decode steps: bench/results/2026-12-05-cpu). CUDA: below the 16-step chunk gap the H200
-# target allows; bench/stream_bench.py measures the candidates
-DEFAULT_CUDA_VERIFY_CADENCE_STEPS = 12
+# there costs some 35 decode steps: bench/results/2026-12-05-cpu). CUDA: of k = 8 / 12 / 16, the shortest gaps and
+# the lowest end-to-end time of 8 streams on the 8B (bench/results/2026-12-06-h100/stream-bench-*.json)
+DEFAULT_CUDA_VERIFY_CADENCE_STEPS = 8
 DEFAULT_CPU_VERIFY_CADENCE_STEPS = 20
 
 
