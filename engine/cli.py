@@ -105,14 +105,11 @@ def engine_config_options(a: argparse.Namespace, env: Mapping[str, str]) -> dict
 
 
 def engine_config(options: Mapping[str, Any]) -> Any:
-    """EngineConfig(**options); ValueError naming unknown fields (a dataclass would raise TypeError)."""
+    """EngineConfig.from_options(options): EngineConfig and DvrTuning fields by name; ValueError naming unknown
+    ones."""
     from engine.config import EngineConfig
 
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"engine options: unknown EngineConfig fields {unknown}; known: {sorted(known)}")
-    return EngineConfig(**options)
+    return EngineConfig.from_options(options)
 
 
 COMMANDS: list[Command] = [

@@ -514,14 +514,14 @@ class _EngineLoop:
             if getattr(loaded, "tp", None) is not None:
                 loaded.tp.close()
             raise
-        progress.ready(config, str(getattr(loaded.info, "name", "?")), started)
+        progress.ready(self.core.config, str(getattr(loaded.info, "name", "?")), started)
         self.published: dict[str, int] = {}
         self.prompt_sent: set[str] = set()
         self.replays: list[tuple[int, list[ReplayRequest], list[Any], int]] = []
         self.stats_at = 0.0
         self.stop = False
         core = self.core
-        self._send(("ready", Ready(loaded.tokenizer, loaded.info, runtime_fingerprint(config), core.limits(),
+        self._send(("ready", Ready(loaded.tokenizer, loaded.info, runtime_fingerprint(core.config), core.limits(),
                                    (core.config.group, core.config.window), core.stats())))
 
     def _send(self, message: tuple[Any, ...]) -> None:
