@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DvrTuning, EngineConfig
 from engine.llm import LLM
 from engine.scheduler import StepKind
 from engine.sequence import RequestOutput
@@ -63,11 +63,11 @@ def unfinished_windows(plans: list[tuple[int, list[tuple[int, int, bool]]]]) -> 
 def test_cadence_config_defaults_and_checks() -> None:
     cpu = EngineConfig(device="cpu")
     assert cpu.verify_cadence_steps > 0 and cpu.verify_cadence_max_rows == cpu.group
-    assert EngineConfig(device="cpu", group=4, verify_cadence_steps=0).verify_cadence_steps == 0
+    assert EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_cadence_steps=0)).verify_cadence_steps == 0
     with pytest.raises(ValueError, match=r"EngineConfig\.verify_cadence_steps: must be an int >= 0"):
-        EngineConfig(device="cpu", verify_cadence_steps=-1)
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_cadence_steps=-1))
     with pytest.raises(ValueError, match=r"EngineConfig\.verify_cadence_max_rows: must be an int >= 1"):
-        EngineConfig(device="cpu", verify_cadence_max_rows=0)
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_cadence_max_rows=0))
 
 
 def test_cadence_changes_windows_not_bits(make_mock_llm, workload) -> None:
