@@ -22,6 +22,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from tests.engine.configs import resolved
 from tests.engine.gpu_reference import make_paged_case
 
 REPO = Path(__file__).resolve().parents[2]
@@ -304,7 +305,7 @@ def test_query_tile_changes_the_kernel_identity() -> None:
         KernelSettings(chunk=100)
     # the fingerprint of an engine on the triton backend names its kernels' id (CUDA configs only: here the
     # config's own method, which the fingerprint calls)
-    config = EngineConfig(kernels=tall)
+    config = resolved(EngineConfig(device="cpu", kernels=tall))
     assert config.kernels.kernel_id() == tall.kernel_id()
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 

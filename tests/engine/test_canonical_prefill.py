@@ -11,11 +11,11 @@ import torch
 
 from engine.config import (DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, DvrTuning,
                            EngineConfig)
-from tests.engine.configs import resolved
 from engine.model_runner import DUMMY_PREFILL_ROW, DUMMY_TOKEN, ModelRunner, ModelShape, Row
 from engine.sampling import SamplingParams
 from engine.scheduler import CANONICAL_PREFILL_ROWS, Scheduler, StepKind, canonical_prefill_tokens
 from engine.sequence import Sequence, SeqKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import assert_same
 from tests.engine.test_host_overhead import Recorder
 

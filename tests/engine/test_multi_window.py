@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 
 from engine.config import DvrTuning, EngineConfig
-from tests.engine.configs import resolved
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind, dvr_windows
 from engine.sequence import Sequence, SeqKind, SeqStatus
 from engine.verifier import dvr_row, window_applies
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
                                     replay_requests, staggered)
 

@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from engine.config import DvrTuning, EngineConfig
-from tests.engine.configs import resolved
 from engine.llm import LLM
 from engine.scheduler import StepKind
 from engine.sequence import RequestOutput
 from engine.verifier import RowKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time, replay_requests,
                                     staggered)
 

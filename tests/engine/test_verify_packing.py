@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from engine.config import DvrTuning, EngineConfig
-from tests.engine.configs import resolved
 from engine.fingerprint import runtime_fingerprint
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
                                     real_workload, replay_requests, staggered)
 
