@@ -19,5 +19,5 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "DvrTuning", "Mode", "SamplingParams", "RequestOutput", "ReplayRequest",
-           "ReplayResult", "SAMPLER_ID", "GrammarSpec", "GrammarError", "validate_grammar", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "DvrTuning", "Mode", "SamplingParams", "RequestOutput",
+           "ReplayRequest", "ReplayResult", "SAMPLER_ID", "GrammarSpec", "GrammarError", "validate_grammar", "__version__"]

@@ -8,7 +8,6 @@ variables, so the offline engine runs what `verbatim serve` would), then EngineC
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys

@@ -10,7 +10,6 @@ so they never touch a live sequence; dummy rows read only the zero block.
 from __future__ import annotations
 
 import array
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -134,7 +133,8 @@ class ModelRunner:
         # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel (in
         # every pass); canonical_step_short: only in the decode graphs of rows up to GRAPH_MAX_LEN tokens
         self.canonical_step = dvr and attention == DvrDecodeAttention.CANONICAL_STEP
-        self.canonical_step_short = self.canonical_step or (dvr and attention == DvrDecodeAttention.CANONICAL_STEP_SHORT)
+        short_rows = attention == DvrDecodeAttention.CANONICAL_STEP_SHORT
+        self.canonical_step_short = self.canonical_step or (dvr and short_rows)
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
         #                                            GRAPH_MAX_LEN tokens)
         self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len

@@ -264,7 +264,7 @@ class Scheduler:
             return True
         config = self.config
         w, cap, budget = config.window, config.tuning.verify_max_windows, config.group * config.window
-        if config.tuning.verify_trigger == VerifyTrigger.WINDOWS:  # >= G windows, whatever their length (a padded pass's rule)
+        if config.tuning.verify_trigger == VerifyTrigger.WINDOWS:  # >= G windows, whatever their length (padded)
             cap, budget = config.group, math.inf
         windows = tokens = 0
         moving = set(decodable)

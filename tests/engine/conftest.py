@@ -79,7 +79,7 @@ def smollm2_shape(smollm2_source: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -> Callable[..., Any]:
-    """make_real_llm(**options: EngineConfig and DvrTuning fields by name) -> LLM over the shared SmolLM2 weights (own KV cache)."""
+    """make_real_llm(**options) -> LLM over the shared SmolLM2 weights (own KV cache)."""
     from engine.config import EngineConfig
     from engine.llm import LLM
 
@@ -97,7 +97,7 @@ def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -
 
 @pytest.fixture
 def make_mock_llm() -> Callable[..., Any]:
-    """make_mock_llm(**options: EngineConfig and DvrTuning fields by name) -> LLM over a tiny mock model (noisy fast path)."""
+    """make_mock_llm(**options) -> LLM over a tiny mock model (noisy fast path)."""
     from engine.config import EngineConfig
     from engine.llm import LLM
     from tests.engine.mock_model import MockModel

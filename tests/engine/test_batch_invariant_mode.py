@@ -239,14 +239,14 @@ def test_backend_equals_bi_paged_attention(kind: PassKind) -> None:
 
 # ---- config, fingerprint, CLI ----------------------------------------------------------------------
 def test_config_and_fingerprint() -> None:
-    cfg = resolved(EngineConfig(mode=BI, device="cpu"))
+    cfg = resolved(mode=BI, device="cpu")
     assert cfg.attention_backend == BI
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(mode=BI, attention_backend="triton")
     fp = runtime_fingerprint(cfg)
     assert fp["mode"] == BI and fp["attention_backend"] == BI
     assert fp["attention_split_size"] == DEFAULT_SPLIT_SIZE and fp["batch_invariant_kernels"].startswith("torch")
-    assert "attention_split_size" not in runtime_fingerprint(resolved(EngineConfig(device="cpu")))
+    assert "attention_split_size" not in runtime_fingerprint(resolved(device="cpu"))
 
 
 def test_cli_generate(tiny_llama_dir: Any, capsys: pytest.CaptureFixture[str]) -> None:

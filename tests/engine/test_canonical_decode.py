@@ -288,7 +288,6 @@ def test_query_tile_changes_the_kernel_identity() -> None:
     check is keyed by them."""
     from engine.attention import triton_backend as tb
     from engine.attention import triton_canonical_decode as packed
-    from engine.config import EngineConfig
     from engine.fingerprint import runtime_fingerprint
 
     base = DEFAULT_KERNEL_SETTINGS.kernel_id()
@@ -305,7 +304,7 @@ def test_query_tile_changes_the_kernel_identity() -> None:
         KernelSettings(chunk=100)
     # the fingerprint of an engine on the triton backend names its kernels' id (CUDA configs only: here the
     # config's own method, which the fingerprint calls)
-    config = resolved(EngineConfig(device="cpu", kernels=tall))
+    config = resolved(device="cpu", kernels=tall)
     assert config.kernels.kernel_id() == tall.kernel_id()
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 

@@ -1,4 +1,4 @@
-"""Engine overlap (EngineConfig.overlap): a decode step is planned and launched while the previous one's
+"""Engine overlap (EngineConfig.tuning.overlap): a decode step is planned and launched while the previous one's
 tokens are still unread, its input ids taken from them on the device. On the CPU the same bookkeeping runs
 (the "device" tokens are host tensors), so these tests exercise every path the GPU takes."""
 from __future__ import annotations
@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
 from tests.engine.configs import resolved
@@ -290,7 +289,7 @@ def test_no_early_decode_by_default_without_overlap_and_filtered_rows_decode_ear
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
     assert default.config.tuning.verify_early_decode is False
-    cuda = resolved(EngineConfig(device="cuda")).tuning
+    cuda = resolved(device="cuda").tuning
     assert cuda.verify_early_decode is True and cuda.overlap
     by_default = default.generate(prompts, _plain(params))
     assert default.core.stats().early_decode_steps == 0 and default.core.stats().verify_passes > 0
@@ -376,7 +375,7 @@ def test_no_chained_verify_by_default_or_without_overlap(make_mock_llm) -> None:
     params = _plain(params)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
     assert default.config.tuning.chained_verify is False
-    assert resolved(EngineConfig(device="cuda")).tuning.chained_verify is True
+    assert resolved(device="cuda").tuning.chained_verify is True
     by_default = default.generate(prompts, params)
     assert default.core.stats().chained_verify_passes == 0 and default.core.stats().verify_passes > 0
     off = make_mock_llm(overlap=False, chained_verify=True, verify_decode_rows=4)

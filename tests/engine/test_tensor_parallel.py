@@ -67,8 +67,8 @@ def test_misshaped_full_weight_is_refused() -> None:
 
 
 def test_config_and_fingerprint_name_the_layout() -> None:
-    one = runtime_fingerprint(resolved(EngineConfig(device="cpu")))
-    two = runtime_fingerprint(resolved(EngineConfig(device="cpu", tensor_parallel_size=2)))
+    one = runtime_fingerprint(resolved(device="cpu"))
+    two = runtime_fingerprint(resolved(device="cpu", tensor_parallel_size=2))
     assert "tensor_parallel_size" not in one and "tp_reduction" not in one
     assert (two["tensor_parallel_size"], two["tp_reduction"]) == (2, "gather_sum")
     assert system_fingerprint(one) != system_fingerprint(two)

@@ -1,4 +1,4 @@
-"""Verify cadence (EngineConfig.tuning.verify_cadence_steps / verify_cadence_max_rows): while the running batch is
+"""Verify cadence (DvrTuning.verify_cadence_steps / verify_cadence_max_rows): while the running batch is
 small, a verify pass is due once a deterministic row took k candidates since its last commit, and every pass
 takes each deterministic row's unfinished window too. It moves window boundaries, never a committed bit:
 token ids and logprobs are compared exactly across cadences, with faults, preemption and overlap, and
@@ -62,9 +62,9 @@ def unfinished_windows(plans: list[tuple[int, list[tuple[int, int, bool]]]]) -> 
 
 
 def test_cadence_config_defaults_and_checks() -> None:
-    cpu = resolved(EngineConfig(device="cpu"))
+    cpu = resolved(device="cpu")
     assert cpu.tuning.verify_cadence_steps > 0 and cpu.tuning.verify_cadence_max_rows == cpu.group
-    assert resolved(EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_cadence_steps=0))).tuning.verify_cadence_steps == 0
+    assert resolved(device="cpu", group=4, tuning=DvrTuning(verify_cadence_steps=0)).tuning.verify_cadence_steps == 0
     with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_cadence_steps: must be an int >= 0"):
         EngineConfig(device="cpu", tuning=DvrTuning(verify_cadence_steps=-1))
     with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_cadence_max_rows: must be an int >= 1"):

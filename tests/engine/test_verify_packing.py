@@ -1,4 +1,4 @@
-"""Packed verify passes (`EngineConfig.tuning.verify_packing = "packed"`).
+"""Packed verify passes (`DvrTuning.verify_packing = "packed"`).
 
 A padded pass gives every window W token slots, so the last window of each request (cut by a stop or
 max_tokens) leaves slots empty. A packed pass lays its windows back to back and takes as many as fit in
@@ -52,26 +52,27 @@ def _verify_plans(llm: Any) -> list[list[int]]:
 
 
 def test_config_defaults_and_limits() -> None:
-    padded = resolved(EngineConfig(device="cpu"))  # the CPU default
+    padded = resolved(device="cpu")  # the CPU default
     assert padded.tuning.verify_packing == "padded" and padded.tuning.verify_max_windows == padded.group
-    cuda = resolved(EngineConfig(device="cuda"))  # the CUDA default (a config only: building it needs no GPU)
+    cuda = resolved(device="cuda")  # the CUDA default (a config only: building it needs no GPU)
     assert cuda.tuning.verify_packing == "packed" and cuda.tuning.verify_max_windows == 2 * cuda.group
-    assert resolved(EngineConfig(device="cuda", tuning=DvrTuning(verify_packing="padded"))).tuning.verify_max_windows == cuda.group
-    packed = resolved(EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed")))
+    assert resolved(device="cuda", tuning=DvrTuning(verify_packing="padded")).tuning.verify_max_windows == cuda.group
+    packed = resolved(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed"))
     assert packed.tuning.verify_max_windows == 8
-    assert resolved(EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed", verify_max_windows=12))).tuning.verify_max_windows == 12
+    assert resolved(device="cpu", group=4,
+                    tuning=DvrTuning(verify_packing="packed", verify_max_windows=12)).tuning.verify_max_windows == 12
     with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_packing: one of padded/packed, got 'tight'"):
         EngineConfig(device="cpu", tuning=DvrTuning(verify_packing="tight"))
     with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_max_windows: must be an int >= G = 4, got 3"):
         EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed", verify_max_windows=3))
-    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_max_windows: a padded verify pass holds exactly G"):
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_max_windows: a padded verify pass holds exactly"):
         EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_max_windows=8))
 
 
 def test_packing_is_not_part_of_the_runtime_identity() -> None:
     """It never changes a committed bit, so a transcript made either way replays under the other."""
-    assert runtime_fingerprint(resolved(EngineConfig(device="cpu"))) == runtime_fingerprint(
-        resolved(EngineConfig(device="cpu", tuning=DvrTuning(verify_packing="packed"))))
+    assert runtime_fingerprint(resolved(device="cpu")) == runtime_fingerprint(
+        resolved(device="cpu", tuning=DvrTuning(verify_packing="packed")))
 
 
 @pytest.mark.parametrize("d", [0, 3])
@@ -154,7 +155,8 @@ def test_packed_trigger_counts_tokens_or_windows() -> None:
     step = 100
     for s in short:
         s.ready_since = step
-    by_tokens = Scheduler(resolved(EngineConfig(device="cpu", window=W, group=G, num_kv_blocks=64, tuning=DvrTuning(verify_packing="packed"))),
+    by_tokens = Scheduler(resolved(device="cpu", window=W, group=G, num_kv_blocks=64,
+                                   tuning=DvrTuning(verify_packing="packed")),
                           {1})
     assert by_tokens.config.tuning.verify_trigger == "tokens"
     assert not by_tokens._verify_due(short, [other], step)  # 4 windows, 20 tokens < G*W = 32
@@ -162,7 +164,8 @@ def test_packed_trigger_counts_tokens_or_windows() -> None:
     for s in full:
         s.ready_since = step
     assert by_tokens._verify_due(short[:2] + full, [other], step)  # 10 + 24 tokens >= 32
-    by_windows = Scheduler(resolved(EngineConfig(device="cpu", window=W, group=G, num_kv_blocks=64, tuning=DvrTuning(verify_packing="packed", verify_trigger="windows"))), {1})
+    by_windows = Scheduler(resolved(device="cpu", window=W, group=G, num_kv_blocks=64,
+                                    tuning=DvrTuning(verify_packing="packed", verify_trigger="windows")), {1})
     assert by_windows._verify_due(short, [other], step)  # G windows
     picks, used = by_windows._pick_windows(short + full)
     assert len(picks) == 5 and used == 4 * 5 + 8, (picks, used)  # the 4 short ones and one full one fit in 32
