@@ -37,8 +37,8 @@ def smol(gpu_smollm2_source: Any) -> Any:
 
 def make(smol: Any, **cfg: Any) -> LLM:
     source, model, shape = smol
-    config = EngineConfig(**{"device": "cuda", "dtype": "bfloat16", "attention_backend": "triton", "window": 16,
-                             "group": 4, "max_num_seqs": 16, "cuda_graphs": False, **cfg})
+    config = EngineConfig.from_options({"device": "cuda", "dtype": "bfloat16", "attention_backend": "triton",
+                                        "window": 16, "group": 4, "max_num_seqs": 16, "cuda_graphs": False, **cfg})
     return LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
 
 
