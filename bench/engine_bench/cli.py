@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                       "fuse_rope_canonical": kernels.fuse_rope_canonical,
                       "concurrent_carried": kernels.concurrent_carried,
                       "chunk_programs": kernels.chunk_programs,
-                      "prefill_pass_tile": kernels.prefill_pass_tile,
+                      "prefill_pass_tile": args.prefill_pass_tile,  # None: the query tile
                       "query_tile": kernels.query_tile,
                       # decode rows a dvr verify pass carries (None: the engine's default)
                       "verify_decode_rows": (DEFAULT_VERIFY_DECODE_ROWS if args.verify_decode_rows is None
