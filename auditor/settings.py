@@ -63,7 +63,8 @@ class Settings:
         1, "shard the model over this many ranks, one process each (CUDA: one GPU each, over NCCL); part of the "
         "runtime fingerprint, so a transcript replays only at its own size")
     engine_options: Mapping[str, Any] = field(default_factory=dict, metadata={"help": (
-        "other EngineConfig fields as a JSON object, e.g. '{\"window\": 16, \"group\": 8}'")})
+        "other engine options as a JSON object: EngineConfig and DvrTuning fields by name, e.g. '{\"window\": "
+        "16, \"group\": 8, \"overlap\": false}'")})
     engine_process: bool = _setting(
         True, "run the engine in a process of its own (the serving process then only serves: the two do not "
         "share one Python interpreter lock); false: an engine thread inside the serving process")

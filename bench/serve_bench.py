@@ -257,7 +257,7 @@ def recorded(doc: dict[str, Any], key: str) -> Iterator[None]:
 def device_info(config: Any) -> dict[str, Any]:
     import torch
 
-    device = config.resolved_device
+    device = config.torch_device
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return {"type": "cuda", "name": torch.cuda.get_device_name(device),

@@ -1,4 +1,4 @@
-"""Stream smoothness of deterministic requests against the verify cadence (EngineConfig.verify_cadence_steps),
+"""Stream smoothness of deterministic requests against the verify cadence (DvrTuning.verify_cadence_steps),
 through the engine alone (EngineCore.step, the loop the service's engine thread runs), with the commit time
 of every token.
 
@@ -96,7 +96,8 @@ def use_cadence(core: EngineCore, steps: int, max_rows: int | None) -> None:
     """Swap the scheduler's cadence (the engine must be idle): the rest of the config is unchanged."""
     assert not core.has_work(), "cadence swapped with requests in the engine"
     rows = max_rows if max_rows is not None else core.config.group
-    config = dataclasses.replace(core.config, verify_cadence_steps=steps, verify_cadence_max_rows=rows)
+    tuning = dataclasses.replace(core.config.tuning, verify_cadence_steps=steps, verify_cadence_max_rows=rows)
+    config = dataclasses.replace(core.config, tuning=tuning)
     core.config = core.scheduler.config = config
 
 
@@ -258,27 +259,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = EngineConfig(model=args.model, device=args.device, **engine_options(args.engine_option))
+    config = EngineConfig.from_options({"model": args.model, "device": args.device,
+                                        **engine_options(args.engine_option)})
     started = time.perf_counter()
     loaded = load_model(config)
     core = EngineCore(config, loaded.model, loaded.shape, set(getattr(loaded.info, "eos_token_ids", ()) or ()))
     log(f"loaded {args.model} on {args.device} in {time.perf_counter() - started:.1f}s")
     prompts = prompts_for(loaded.tokenizer, loaded.shape.vocab_size, max(ints(args.concurrency)), args.prompt_tokens)
+    default_cadence = core.config.tuning.verify_cadence_steps
     use_cadence(core, 0, args.max_rows)
     for det in (False, True):  # warm-up: first calls, allocator, graphs
         run_streams(core, prompts[:2], det, min(args.max_tokens, 2 * config.window))
     result = measure(core, args, prompts)
     cfg = core.config
-    device = torch.cuda.get_device_name(0) if cfg.resolved_device.type == "cuda" else cpu_model()
+    device = torch.cuda.get_device_name(0) if cfg.torch_device.type == "cuda" else cpu_model()
     doc = {"command": shlex.join([Path(sys.argv[0]).as_posix(), *(argv if argv is not None else sys.argv[1:])]),
            "git_commit": git_commit(), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
            "environment": {"device": device, "torch": torch.__version__, "python": platform.python_version(),
                            "torch_threads": torch.get_num_threads()},
            "model": args.model, "max_tokens": args.max_tokens, "prompt_tokens": [len(p) for p in prompts],
-           "engine": {"window": cfg.window, "group": cfg.group, "verify_decode_rows": cfg.verify_decode_rows,
-                      "verify_packing": cfg.verify_packing, "overlap": cfg.overlap,
-                      "dvr_lookahead": cfg.dvr_lookahead, "verify_cadence_max_rows": cfg.verify_cadence_max_rows,
-                      "default_verify_cadence_steps": config.verify_cadence_steps},
+           "engine": {"window": cfg.window, "group": cfg.group, "verify_decode_rows": cfg.tuning.verify_decode_rows,
+                      "verify_packing": cfg.tuning.verify_packing.value, "overlap": cfg.tuning.overlap,
+                      "dvr_lookahead": cfg.tuning.dvr_lookahead,
+                      "verify_cadence_max_rows": cfg.tuning.verify_cadence_max_rows,
+                      "default_verify_cadence_steps": default_cadence},
            "settings": result["settings"], "ratios_to_nondeterministic": ratios(result["settings"]),
            "single_streams": result["single_streams"]}
     out = Path(args.out)
@@ -286,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(result["single_streams"], out / f"{args.name}-streams.png",
          f"{args.model}, {args.device}, one stream of {args.max_tokens} tokens (W={cfg.window}, G={cfg.group})",
-         cfg.resolved_device.type == "cpu")
+         cfg.torch_device.type == "cpu")
     print(table(result["settings"]))
     log(f"wrote {out / (args.name + '.json')}")
     return 0

@@ -1,5 +1,5 @@
 """Verbatim engine: continuous batching with decode-verify-rollback (DVR) for bit-exact requests."""
-from engine.config import EngineConfig, Mode
+from engine.config import DvrTuning, EngineConfig, Mode
 from engine.grammar import GrammarError, GrammarSpec, validate_grammar
 from engine.replay import ReplayRequest, ReplayResult
 from engine.sampling import SAMPLER_ID, SamplingParams
@@ -19,5 +19,5 @@ def __getattr__(name: str) -> object:
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "AsyncEngine", "EngineConfig", "Mode", "SamplingParams", "RequestOutput", "ReplayRequest",
-           "ReplayResult", "SAMPLER_ID", "GrammarSpec", "GrammarError", "validate_grammar", "__version__"]
+__all__ = ["LLM", "AsyncEngine", "EngineConfig", "DvrTuning", "Mode", "SamplingParams", "RequestOutput",
+           "ReplayRequest", "ReplayResult", "SAMPLER_ID", "GrammarSpec", "GrammarError", "validate_grammar", "__version__"]

@@ -78,6 +78,7 @@ class AsyncEngine:
             if loaded.tp is not None:
                 loaded.tp.close()
             raise
+        self.config = self.core.config  # resolved
         self._fingerprint = runtime_fingerprint(self.config)
         progress.ready(self.config, str(getattr(loaded.info, "name", "?")), started)
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()

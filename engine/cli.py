@@ -8,7 +8,6 @@ variables, so the offline engine runs what `verbatim serve` would), then EngineC
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import sys
@@ -105,14 +104,11 @@ def engine_config_options(a: argparse.Namespace, env: Mapping[str, str]) -> dict
 
 
 def engine_config(options: Mapping[str, Any]) -> Any:
-    """EngineConfig(**options); ValueError naming unknown fields (a dataclass would raise TypeError)."""
+    """EngineConfig.from_options(options): EngineConfig and DvrTuning fields by name; ValueError naming unknown
+    ones."""
     from engine.config import EngineConfig
 
-    known = {f.name for f in dataclasses.fields(EngineConfig)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"engine options: unknown EngineConfig fields {unknown}; known: {sorted(known)}")
-    return EngineConfig(**options)
+    return EngineConfig.from_options(options)
 
 
 COMMANDS: list[Command] = [

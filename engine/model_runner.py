@@ -10,7 +10,6 @@ so they never touch a live sequence; dummy rows read only the zero block.
 from __future__ import annotations
 
 import array
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,8 +19,8 @@ import torch
 from engine import progress
 from engine.attention.kv_cache import KVCache
 from engine.attention.metadata import AttentionMetadata, PassKind
-from engine.config import (RESERVED_BLOCKS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig, KernelSettings, Mode,
-                           resolve_max_num_seqs)
+from engine.config import (SCRATCH_BLOCK, ZERO_BLOCK, Device, DvrDecodeAttention, EngineConfig, KernelSettings, Mode,
+                           VerifyPacking)
 from engine.scheduler import CANONICAL_PREFILL_ROWS
 from engine.sequence import PromptLogprobs
 
@@ -111,32 +110,31 @@ class ModelRunner:
                  device: torch.device, tp: TensorParallel | None = None) -> None:
         """`tp`: this rank's place in a tensor-parallel group (`model` is its shard, `shape.num_kv_heads` its
         KV heads); every rank builds its runner with the same config, and they agree on the KV budget and
-        on which CUDA graphs to use."""
-        self.config = config
+        on which CUDA graphs to use. `config` may be unresolved: the runner resolves it for `device`, the
+        model's context length and (CUDA) the KV blocks the free memory holds."""
+        free = free_kv_blocks(config, shape, dtype, device)
+        if tp is not None and free is not None:  # the scheduler's block tables index every rank's cache
+            free = tp.agree_min(free)
+        self.config = config = config.resolve(device, model_max_len=shape.max_model_len, free_kv_blocks=free)
         # the attention kernels run under config.kernels, the settings the runtime fingerprint names
         bi = config.mode == Mode.BATCH_INVARIANT
         self.model = batch_invariant(model, config.kernels) if bi else with_kernels(model, config.kernels)
         self.shape = shape
         self.device = device
         self.tp = tp
-        self.max_model_len = min(config.max_model_len or shape.max_model_len, shape.max_model_len)  # served context
-        self.num_kv_blocks = kv_block_budget(config, shape, dtype, device)
-        if tp is not None:  # the scheduler's block tables index every rank's cache
-            self.num_kv_blocks = tp.agree_min(self.num_kv_blocks)
-        # the budgets sized from the device are resolved once here, before any graph is captured for them
-        seqs = resolve_max_num_seqs(config.max_num_seqs, (self.num_kv_blocks - RESERVED_BLOCKS) * config.block_size)
-        self.config = config = dataclasses.replace(config, num_kv_blocks=self.num_kv_blocks, max_num_seqs=seqs)
+        self.max_model_len = config.max_model_len  # served context
+        self.num_kv_blocks = config.num_kv_blocks
         self.kv = KVCache.allocate(shape.num_layers, self.num_kv_blocks, config.block_size,
                                    shape.num_kv_heads, shape.head_dim, dtype, device)
         # DECODE passes carry AttentionMetadata.canonical_rows (the DVR rows) only in this configuration
         dvr = config.mode == Mode.DVR
-        self.canonical_decode = dvr and config.dvr_decode_attention in ("canonical", "canonical_step",
-                                                                         "canonical_step_short")
+        attention = config.tuning.dvr_decode_attention
+        self.canonical_decode = dvr and attention != DvrDecodeAttention.SPLIT
         # and with canonical_step, a step holding a DVR row sends every row through the canonical kernel (in
         # every pass); canonical_step_short: only in the decode graphs of rows up to GRAPH_MAX_LEN tokens
-        self.canonical_step = dvr and config.dvr_decode_attention == "canonical_step"
-        self.canonical_step_short = self.canonical_step or (dvr and config.dvr_decode_attention
-                                                            == "canonical_step_short")
+        self.canonical_step = dvr and attention == DvrDecodeAttention.CANONICAL_STEP
+        short_rows = attention == DvrDecodeAttention.CANONICAL_STEP_SHORT
+        self.canonical_step_short = self.canonical_step or (dvr and short_rows)
         self.decode_graphs: object | None = None   # engine.cuda_graphs.DecodeGraphs when captured (rows up to
         #                                            GRAPH_MAX_LEN tokens)
         self.long_decode_graphs: object | None = None  # rows past GRAPH_MAX_LEN, up to max_model_len
@@ -214,7 +212,7 @@ class ModelRunner:
     def verify(self, rows: list[Row], carried: list[Row] | None = None, chain: Chain | None = None,
                row_chain: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
         """Exactly G x W verify tokens, then D = verify_decode_rows one-token decode rows (`carried`, dummy
-        rows after them). Padded (EngineConfig.verify_packing): row r takes tokens [r W, r W + W), dummies
+        rows after them). Padded (DvrTuning.verify_packing): row r takes tokens [r W, r W + W), dummies
         after its own, dummy rows up to G. Packed: the rows back to back (at most verify_max_windows), then
         dummy rows of at most W tokens up to G x W, then empty rows up to verify_max_windows + G rows.
         Returns ([G*W, vocab] logits of the verify tokens, the first token of each row among them,
@@ -223,10 +221,10 @@ class ModelRunner:
         chain = (tokens, dst, src): carried row dst[i]'s input id is tokens[src[i]] (as `decode`'s).
         row_chain = [(r, src)]: verify row r's last input id is chain's tokens[src] (a chained pass's window
         that ends at a token in flight)."""
-        g, w, d = self.config.group, self.config.window, self.config.verify_decode_rows
-        packed = self.config.verify_packing == "packed"
+        g, w, d = self.config.group, self.config.window, self.config.tuning.verify_decode_rows
+        packed = self.config.tuning.verify_packing == VerifyPacking.PACKED
         carried = carried or []
-        assert 1 <= len(rows) <= self.config.verify_max_windows and all(1 <= len(r.tokens) <= w for r in rows), \
+        assert 1 <= len(rows) <= self.config.tuning.verify_max_windows and all(1 <= len(r.tokens) <= w for r in rows), \
             "verify shape"
         assert len(carried) <= d and all(len(r.tokens) == 1 for r in carried), "carried decode rows"
         if packed:
@@ -234,7 +232,7 @@ class ModelRunner:
             assert len(lay.ids) <= g * w, ("packed verify rows past G*W tokens", len(lay.ids))
             # dummy rows of at most W tokens up to G*W, then empty rows up to the graph's fixed row count
             lay = _pad_rows(lay, g * w - len(lay.ids), w, self.config.block_size,
-                            rows=self.config.verify_max_windows + g)
+                            rows=self.config.tuning.verify_max_windows + g)
             starts = lay.query_start_loc[: len(rows)].tolist()
         else:
             lay = self._layout(rows, pad_to=(g, w))
@@ -284,7 +282,7 @@ class ModelRunner:
                                                          self.max_model_len, SCRATCH_BLOCK,
                                                          graph_max_len=GRAPH_MAX_LEN, canonical=self.canonical_decode,
                                                          canonical_step=self.canonical_step_short,
-                                                         cublaslt_min_rows=self.config.decode_cublaslt_min_rows)
+                                                         cublaslt_min_rows=self.config.tuning.decode_cublaslt_min_rows)
             self.graphs_status = "decode"
         except (ValueError, RuntimeError) as exc:
             self.graphs_status = f"eager (decode graphs failed: {type(exc).__name__})"
@@ -297,7 +295,7 @@ class ModelRunner:
                     self.model, self.kv, self.config.max_num_seqs, self.max_model_len, SCRATCH_BLOCK,
                     graph_max_len=self.max_model_len, canonical=self.canonical_decode,
                     canonical_step=self.canonical_step, pool=self.decode_graphs.pool,
-                    cublaslt_min_rows=self.config.decode_cublaslt_min_rows)
+                    cublaslt_min_rows=self.config.tuning.decode_cublaslt_min_rows)
                 self.graphs_status += f"+long{self.max_model_len}"
             except (ValueError, RuntimeError) as exc:
                 self.graphs_status += f"; rows past {GRAPH_MAX_LEN} eager (capture failed: {type(exc).__name__})"
@@ -309,10 +307,10 @@ class ModelRunner:
             # its row's seq_len), so one graph serves short and long rows at the same cost (a graph capped at
             # GRAPH_MAX_LEN would leave the 4k/1k set's verify passes eager: 31.6 ms a pass, 15.0 with the
             # graph)
-            packed = self.config.verify_packing == "packed"
+            packed = self.config.tuning.verify_packing == VerifyPacking.PACKED
             graph = VerifyGraph(self.model, self.kv, self.config.group, self.config.window, self.max_model_len,
-                                self.config.verify_decode_rows,
-                                max_windows=self.config.verify_max_windows if packed else None)
+                                self.config.tuning.verify_decode_rows,
+                                max_windows=self.config.tuning.verify_max_windows if packed else None)
             graph.stage_dummy(SCRATCH_BLOCK * self.config.block_size)
             graph.capture()
         except (ValueError, RuntimeError) as exc:
@@ -483,16 +481,12 @@ def _int32(values: list[int]) -> np.ndarray:
     return np.frombuffer(array.array("i", values), np.int32)
 
 
-CPU_KV_BLOCKS = 514
-
-
-def kv_block_budget(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> int:
-    """config.num_kv_blocks, else on CUDA `kv_memory_share` of the memory free now (after the weights),
-    else CPU_KV_BLOCKS. The KV cache's size follows this budget, never the number of requests."""
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if device.type != "cuda":
-        return CPU_KV_BLOCKS
+def free_kv_blocks(config: EngineConfig, shape: ModelShape, dtype: torch.dtype, device: torch.device) -> int | None:
+    """The KV blocks `kv_memory_share` of the memory free now (after the weights) holds, where the config sizes
+    the KV cache from it (CUDA, num_kv_blocks None); else None. The KV cache's size follows this budget, never
+    the number of requests."""
+    if config.num_kv_blocks is not None or Device.of(device) != Device.CUDA:
+        return None
     from engine.gpu_memory import kv_blocks_for_free_memory, kv_bytes_per_block
 
     per_block = kv_bytes_per_block(shape.num_layers, shape.num_kv_heads, shape.head_dim, config.block_size, dtype)
@@ -537,12 +531,13 @@ def load_shard(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
     from engine.models import arch_from_hf, build_model
     from engine.models.synthetic import load_synthetic, parse_synthetic
 
-    dtype, device = config.resolved_dtype, config.resolved_device
+    dtype, device = config.torch_dtype, config.torch_device
+    backend = config.attention_backend_on(device).value
     ops = BatchInvariantOps() if config.mode == Mode.BATCH_INVARIANT else TORCH_OPS
     synthetic = parse_synthetic(config.model)
     if synthetic is not None:  # seeded random weights made on the device (no files)
         with progress.stage(f"model {config.model!r}: making seeded random weights on {device}"):
-            model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, config.attention_backend, ops,
+            model, hf_config, tokenizer, info = load_synthetic(synthetic, dtype, device, backend, ops,
                                                                tp, config.kernels)
     else:
         cache = Path(config.cache_dir) if config.cache_dir else None
@@ -550,7 +545,7 @@ def load_shard(config: EngineConfig, tp: TensorParallel | None = None) -> Loaded
         hf_config, tokenizer, info = source.hf_config, source.tokenizer, source.info
         count, as_dtype = tensor_count(source.weight_files), str(dtype).removeprefix("torch.")
         with progress.stage(f"model {info.name!r}: loading {count} tensors on {device} as {as_dtype}"):
-            model = build_model(hf_config, dtype, device, config.attention_backend, ops, tp, config.kernels)
+            model = build_model(hf_config, dtype, device, backend, ops, tp, config.kernels)
             model.load_weights(progress.track(source.weights(), "loading weights", count, "tensor"))
     arch = arch_from_hf(hf_config)
     shape = ModelShape(num_layers=arch.num_layers, num_kv_heads=model.num_kv_heads, head_dim=arch.head_dim,

@@ -35,7 +35,7 @@ def stage(what: str) -> Iterator[None]:
 def ready(config: Any, model_name: str, started: float) -> None:
     """The last start-up line: the engine can take requests."""
     log.info("engine: ready, model %r, mode %s, W=%d G=%d, %s, %s (%.1f s)", model_name, config.mode.value,
-             config.window, config.group, config.resolved_device, config.attention_backend,
+             config.window, config.group, config.torch_device, config.attention_backend.value,
              time.perf_counter() - started)
 
 

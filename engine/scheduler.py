@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager, OutOfBlocks
-from engine.config import EngineConfig
+from engine.config import EngineConfig, VerifyPacking, VerifyTrigger
 from engine.sequence import Sequence, SeqKind, SeqStatus
 from engine.verifier import VerifyRow, dvr_row, teacher_row
 
@@ -106,7 +106,7 @@ class Scheduler:
         are done. Decodable: FAST, or a DVR row that may still take candidates (collecting its window,
         or running ahead of a ready one within dvr_lookahead: then it is in both lists). One pass, one
         `candidate_done` per DVR row."""
-        window, eos, lookahead = self.config.window, self.eos_ids, self.config.dvr_lookahead  # resolved by the config
+        window, eos, lookahead = self.config.window, self.eos_ids, self.config.tuning.dvr_lookahead
         ready: list[Sequence] = []
         decodable: list[Sequence] = []
         for s in self.running:
@@ -143,7 +143,7 @@ class Scheduler:
         if exclude or not_ready:
             ready = [s for s in ready if s not in exclude and s not in not_ready]
             decodable = [s for s in decodable if s not in exclude]
-        known_only = self.config.chained_verify and self.chained_known_only
+        known_only = self.config.tuning.chained_verify and self.chained_known_only
         if not decodable or self._verify_due(ready, decodable, self.step_index + 1, known_only=known_only):
             return None
         if self._cadence_active() and self._cadence_due(decodable, known_only, skip=exclude | not_ready):
@@ -169,7 +169,7 @@ class Scheduler:
 
     def chained_verify(self) -> Plan | None:
         """The verify pass `schedule` would plan now, planned while the previous decode step's tokens are
-        still on the device (EngineConfig.chained_verify). Its windows are those the pass planned after the
+        still on the device (DvrTuning.chained_verify). Its windows are those the pass planned after the
         read would take: a window may end at a row's token in flight (its input id is taken on the device,
         as the rows it carries take theirs), since where a full window ends does not depend on that token's
         value (one that ends early at a stop token is taken by a later pass). With fault injection
@@ -204,18 +204,18 @@ class Scheduler:
                  for s, index in picks]
         return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(taken)))
 
-    # ---- verify cadence (EngineConfig.verify_cadence_steps) ------------------------------------
+    # ---- verify cadence (DvrTuning.verify_cadence_steps) ------------------------------------
     def _cadence_active(self) -> bool:
         """The running batch is small enough for the verify cadence (verify_cadence_max_rows)."""
-        k = self.config.verify_cadence_steps
-        return bool(k) and len(self.running) <= self.config.verify_cadence_max_rows  # type: ignore[operator]
+        k = self.config.tuning.verify_cadence_steps
+        return bool(k) and len(self.running) <= self.config.tuning.verify_cadence_max_rows  # type: ignore[operator]
 
     def _cadence_due(self, decodable: list[Sequence], known_only: bool = False,
                      skip: frozenset[Sequence] = frozenset()) -> bool:
         """A verify pass is due by the cadence: a DVR row (not in `skip`) took verify_cadence_steps candidates
         since its last commit (one per decode step it ran), or holds candidates and can take no more (a stop
         candidate, its run-ahead cap or max_tokens). Candidates count in-flight tokens unless `known_only`."""
-        k = self.config.verify_cadence_steps
+        k = self.config.tuning.verify_cadence_steps
         moving = set(decodable)
         for s in self.running:
             if s in skip or not _cadence_candidate(s):
@@ -253,7 +253,7 @@ class Scheduler:
         waited W steps, or any ready row waited W + dvr_lookahead steps. A row that keeps running ahead
         while it waits gathers more windows, which a later pass takes together (fewer, fuller passes);
         its wait is bounded by its run-ahead cap. Rows first seen ready start waiting now, so none starves.
-        `known_only`: windows count known candidates, not in-flight tokens (EngineConfig.chained_verify: the
+        `known_only`: windows count known candidates, not in-flight tokens (DvrTuning.chained_verify: the
         pass is then planned before they are read)."""
         if not rows:
             return False
@@ -263,14 +263,14 @@ class Scheduler:
         if not decodable:
             return True
         config = self.config
-        w, cap, budget = config.window, config.verify_max_windows, config.group * config.window
-        if config.verify_trigger == "windows":  # >= G windows, whatever their length (a padded pass's rule)
+        w, cap, budget = config.window, config.tuning.verify_max_windows, config.group * config.window
+        if config.tuning.verify_trigger == VerifyTrigger.WINDOWS:  # >= G windows, whatever their length (padded)
             cap, budget = config.group, math.inf
         windows = tokens = 0
         moving = set(decodable)
         for s in rows:
             waited = step - s.ready_since  # type: ignore[operator]  # set above
-            if waited >= w + config.dvr_lookahead or (waited >= w and s not in moving):
+            if waited >= w + config.tuning.dvr_lookahead or (waited >= w and s not in moving):
                 return True
             costs = self._window_costs(s, cap - windows, known_only)
             windows, tokens = windows + len(costs), tokens + sum(costs)
@@ -281,7 +281,7 @@ class Scheduler:
     def _window_costs(self, seq: Sequence, limit: int, known_only: bool = False, partial: bool = False
                       ) -> list[int]:
         """The token slots each window a ready row could give a verify pass now takes, in order (at most
-        `limit` windows): W each when padded (EngineConfig.verify_packing), its own tokens when packed.
+        `limit` windows): W each when padded (DvrTuning.verify_packing), its own tokens when packed.
         A teacher row gives its next recorded window; `partial`: a DVR row's last window may be unfinished."""
         w = self.config.window
         if seq.pending_windows:
@@ -289,7 +289,7 @@ class Scheduler:
             sizes = [end - start] if limit > 0 else []
         else:
             sizes = dvr_window_sizes(seq, w, self.eos_ids, limit, known_only, partial)
-        return sizes if self.config.verify_packing == "packed" else [w] * len(sizes)
+        return sizes if self.config.tuning.verify_packing == VerifyPacking.PACKED else [w] * len(sizes)
 
     def _pick_windows(self, rows: list[Sequence], known_only: bool = False, partial: bool = False
                       ) -> tuple[list[tuple[Sequence, int]], int]:
@@ -299,7 +299,7 @@ class Scheduler:
         window (a row's windows stay in order, window j always after window j-1 in the pass). Padded: the
         first G windows of that order. `partial` (verify cadence): a row's last window may be unfinished."""
         config = self.config
-        cap, budget = config.verify_max_windows, config.group * config.window
+        cap, budget = config.tuning.verify_max_windows, config.group * config.window
         costs = {s: self._window_costs(s, cap, known_only, partial) for s in rows}
         picks: list[tuple[Sequence, int]] = []
         blocked: set[Sequence] = set()
@@ -448,10 +448,10 @@ class Scheduler:
         return Plan(StepKind.VERIFY, verify=built, decode=self._carried(decodable, set(granted)))
 
     def _carried(self, decodable: list[Sequence], verified: set[Sequence]) -> list[Sequence]:
-        """The decode step a verify pass carries (EngineConfig.verify_decode_rows = D): up to D of the rows a
+        """The decode step a verify pass carries (DvrTuning.verify_decode_rows = D): up to D of the rows a
         decode step would take now (running order), leaving out the pass's own rows. Their KV slot is taken
         only where it is free: carrying never preempts (a row without one decodes in a later step)."""
-        d = self.config.verify_decode_rows
+        d = self.config.tuning.verify_decode_rows
         carried: list[Sequence] = []
         for s in decodable:
             if len(carried) >= d:
@@ -501,7 +501,7 @@ def canonical_prefill_tokens(config: EngineConfig, prompt_len: int) -> int:
     only — max(canonical_prefill_min_tokens, next power of two >= prompt_len), at most
     max_num_batched_tokens (which bounds prompt lengths, so the prompt always fits)."""
     pow2 = 1 << max(0, prompt_len - 1).bit_length()
-    return min(max(config.canonical_prefill_min_tokens, pow2), config.max_num_batched_tokens)
+    return min(max(config.tuning.canonical_prefill_min_tokens, pow2), config.max_num_batched_tokens)
 
 
 def seq_key(seq: Sequence) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, TpReduction
 from engine.model_runner import Chain, ModelRunner, Row, load_shard
 from engine.parallel import TensorParallel, init_tensor_parallel, pin_nccl_environment
 from engine.sequence import PromptLogprobs
@@ -40,7 +40,7 @@ def start_workers(config: EngineConfig) -> TensorParallel:
 
     from engine.parallel import COLLECTIVE_TIMEOUT
 
-    size, device = config.tensor_parallel_size, config.resolved_device
+    size, device = config.tensor_parallel_size, config.torch_device
     if dist.is_initialized():
         raise RuntimeError("a tensor-parallel engine (or another torch.distributed group) already runs in this "
                            "process; there can be one per process: close it first (LLM.close)")
@@ -49,7 +49,7 @@ def start_workers(config: EngineConfig) -> TensorParallel:
             raise ValueError(f"EngineConfig.tensor_parallel_size: {size} ranks need {size} CUDA devices, this "
                              f"machine has {torch.cuda.device_count()}")
         torch.cuda.set_device(0)
-    if config.tp_reduction == "nccl":
+    if config.tp_reduction == TpReduction.NCCL:
         pin_nccl_environment()  # before any communicator, and inherited by the workers
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
     ctx = mp.get_context("spawn")
@@ -58,7 +58,7 @@ def start_workers(config: EngineConfig) -> TensorParallel:
     for proc in workers:
         proc.start()
     try:
-        tp = init_tensor_parallel(0, size, config.tp_reduction, device, store)
+        tp = init_tensor_parallel(0, size, config.tp_reduction.value, device, store)
     except BaseException:
         for proc in workers:
             proc.terminate()
@@ -74,14 +74,15 @@ def worker_main(config: EngineConfig, rank: int, port: int, parent_pid: int) -> 
     from engine.parallel import COLLECTIVE_TIMEOUT
 
     _exit_with_parent(parent_pid)
-    if config.resolved_device.type == "cuda":
+    if config.torch_device.type == "cuda":
         torch.cuda.set_device(rank)
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    tp = init_tensor_parallel(rank, config.tensor_parallel_size, config.tp_reduction, config.resolved_device, store)
+    tp = init_tensor_parallel(rank, config.tensor_parallel_size, config.tp_reduction.value, config.torch_device,
+                              store)
     loaded = load_shard(config, tp)
-    runner = ModelRunner(config, loaded.model, loaded.shape, config.resolved_dtype, config.resolved_device, tp)
+    runner = ModelRunner(config, loaded.model, loaded.shape, config.torch_dtype, config.torch_device, tp)
     serve(runner, tp)
     dist.destroy_process_group()
 

@@ -111,9 +111,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--dvr-decode-attention", default="auto",
                    choices=["auto", "canonical", "canonical_step", "canonical_step_short", "split"],
-                   help="EngineConfig.dvr_decode_attention in the compare_modes sections")
+                   help="DvrTuning.dvr_decode_attention in the compare_modes sections")
     p.add_argument("--decode-cublaslt-min-rows", type=int, default=None,
-                   help="EngineConfig.decode_cublaslt_min_rows for every engine and decode graph the bench "
+                   help="DvrTuning.decode_cublaslt_min_rows for every engine and decode graph the bench "
                         "builds (graphs of at least this many padded rows capture their GEMMs with cuBLASLt; "
                         "0 = never; default: the engine's, DEFAULT_DECODE_CUBLASLT_MIN_ROWS)")
     p.add_argument("--fuse-rope-canonical", choices=["on", "off"], default=None,
@@ -142,24 +142,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         "and nondeterministic; batch_invariant keeps the canonical tile); default: the canonical "
                         "tile")
     p.add_argument("--verify-decode-rows", type=int, default=None,
-                   help="EngineConfig.verify_decode_rows for every dvr engine of the run: the decode rows each "
+                   help="DvrTuning.verify_decode_rows for every dvr engine of the run: the decode rows each "
                         "verify pass carries (0 = off; another value, other committed bits); default: the "
                         f"engine's ({DEFAULT_VERIFY_DECODE_ROWS} on the triton backend)")
     p.add_argument("--canonical-prefill-min-tokens", type=int, default=None,
-                   help="EngineConfig.canonical_prefill_min_tokens for every engine of the run (the smallest "
+                   help="DvrTuning.canonical_prefill_min_tokens for every engine of the run (the smallest "
                         "canonical prefill pass of a deterministic prompt; another value, other committed "
                         "bits); default: the engine's")
     p.add_argument("--verify-early-decode", choices=["on", "off"], default=None,
-                   help="EngineConfig.verify_early_decode for every engine of the run (a verify pass launches the "
+                   help="DvrTuning.verify_early_decode for every engine of the run (a verify pass launches the "
                         "next decode step before reading its samples); default: the engine's (on for CUDA)")
     p.add_argument("--chained-verify", choices=["on", "off"], default=None,
-                   help="EngineConfig.chained_verify for every engine of the run (a verify pass due while a decode "
+                   help="DvrTuning.chained_verify for every engine of the run (a verify pass due while a decode "
                         "step is in flight is launched behind it); default: the engine's")
     p.add_argument("--verify-packing", choices=["padded", "packed"], default=None,
-                   help="EngineConfig.verify_packing for every dvr engine of the run (packed: a verify pass lays "
+                   help="DvrTuning.verify_packing for every dvr engine of the run (packed: a verify pass lays "
                         "its windows back to back and takes as many as fit in G*W tokens); default: the engine's")
     p.add_argument("--verify-trigger", choices=["tokens", "windows"], default=None,
-                   help="EngineConfig.verify_trigger for every dvr engine of the run (packed passes: due at G*W "
+                   help="DvrTuning.verify_trigger for every dvr engine of the run (packed passes: due at G*W "
                         "tokens of windows, or at G windows); default: the engine's")
     p.add_argument("--modes", type=_csv, default=[],
                    help="compare_modes sections: run only these modes (nondeterministic, dvr_2pct, dvr_10pct, "
@@ -167,7 +167,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=32, help="W of the compare_modes sections' engines")
     p.add_argument("--rollback-windows", type=_csv_ints, default=[16, 32, 64])
     p.add_argument("--rollback-decode-attention", type=_csv, default=["canonical", "split"],
-                   help="EngineConfig.dvr_decode_attention values smollm2_rollback runs per window")
+                   help="DvrTuning.dvr_decode_attention values smollm2_rollback runs per window")
     p.add_argument("--rollback-prompts", type=int, default=256)
     p.add_argument("--rollback-tokens", type=int, default=256)
     p.add_argument("--rollback-cap-s", type=float, default=60.0)
@@ -176,7 +176,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--compare-tokens", type=int, default=128)
     p.add_argument("--compare-cap-s", type=float, default=30.0, help="per mode, ShareGPT-like mixes")
     p.add_argument("--dvr-lookahead", type=int, default=None,
-                   help="EngineConfig.dvr_lookahead in the compare_modes sections (default: the engine's)")
+                   help="DvrTuning.dvr_lookahead in the compare_modes sections (default: the engine's)")
     p.add_argument("--mode-repeats", type=int, default=3,
                    help="timed runs per mode on its warm engine; the median run (by time) is reported")
     p.add_argument("--fixed-cap-s", type=float, default=80.0, help="per mode, fixed request sets")
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
                       "fuse_rope_canonical": kernels.fuse_rope_canonical,
                       "concurrent_carried": kernels.concurrent_carried,
                       "chunk_programs": kernels.chunk_programs,
-                      "prefill_pass_tile": kernels.prefill_pass_tile,
+                      "prefill_pass_tile": args.prefill_pass_tile,  # None: the query tile
                       "query_tile": kernels.query_tile,
                       # decode rows a dvr verify pass carries (None: the engine's default)
                       "verify_decode_rows": (DEFAULT_VERIFY_DECODE_ROWS if args.verify_decode_rows is None

@@ -208,7 +208,8 @@ def engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
         kw.setdefault("verify_packing", ctx.args.verify_packing)
     if ctx.args.verify_trigger is not None and kw.get("mode", "dvr") == "dvr":
         kw.setdefault("verify_trigger", ctx.args.verify_trigger)
-    return EngineConfig(cuda_graphs=graphs, decode_cublaslt_min_rows=ctx.args.decode_cublaslt_min_rows, **kw)
+    return EngineConfig.from_options({"cuda_graphs": graphs,
+                                      "decode_cublaslt_min_rows": ctx.args.decode_cublaslt_min_rows, **kw})
 
 
 def cublaslt_min_rows(args: argparse.Namespace) -> int:

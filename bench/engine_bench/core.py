@@ -380,7 +380,8 @@ def bench_engine_generate(ctx: Ctx) -> dict[str, Any]:
                                    ("decode_graphs", True, True)):
         if not ctx.has_time(20, label):
             break
-        llm = LLM.from_parts(replace(config, cuda_graphs=graphs, overlap=overlap), model, shape, eos_ids=set())
+        run = replace(config, cuda_graphs=graphs, tuning=replace(config.tuning, overlap=overlap))
+        llm = LLM.from_parts(run, model, shape, eos_ids=set())
         if graphs:
             out["graph_hook"] = llm.core.runner.graphs_status
         out[label] = drive(ctx, llm.core, prompts, params, ctx.args.engine_cap_s, f"eng-{label}",

@@ -154,7 +154,7 @@ def run_throughput(args: BenchArgs) -> dict[str, Any]:
     return {"kind": "throughput", "rows": rows, "engine_peak_rss_mb": round(engine_rss, 1),
             "process_peak_rss_mb": round(peak_rss_mb(), 1),
             "nondeterministic_vs_hf_batch1": round(rows[0]["tokens_per_s"] / hf1, 2),
-            "kv_cache_mb": rows[0]["kv_cache_mb"], **_common(args, base)}
+            "kv_cache_mb": rows[0]["kv_cache_mb"], **_common(args, base, loaded)}
 
 
 def run_replay(args: BenchArgs) -> dict[str, Any]:
@@ -181,7 +181,7 @@ def run_replay(args: BenchArgs) -> dict[str, Any]:
            "verify_passes": rep.core.stats().verify_passes, "matches": matches}
     return {"kind": "replay", "rows": [gen_row, row], "replay_over_generation": round(rep_secs / gen_secs, 3),
             "transcripts": n, "tokens_per_transcript": t, "all_match": matches == n,
-            "engine_peak_rss_mb": round(peak_rss_mb(), 1), **_common(args, base)}
+            "engine_peak_rss_mb": round(peak_rss_mb(), 1), **_common(args, base, loaded)}
 
 
 def _load(cfg: EngineConfig) -> LoadedModel:
@@ -190,10 +190,11 @@ def _load(cfg: EngineConfig) -> LoadedModel:
     return load_model(cfg)
 
 
-def _common(args: BenchArgs, cfg: EngineConfig) -> dict[str, Any]:
+def _common(args: BenchArgs, cfg: EngineConfig, loaded: LoadedModel) -> dict[str, Any]:
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": machine_name(),
             "args": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items()},
-            "fingerprint": runtime_fingerprint(cfg), "torch_threads": torch.get_num_threads()}
+            "fingerprint": runtime_fingerprint(cfg.resolve(model_max_len=loaded.shape.max_model_len)),
+            "torch_threads": torch.get_num_threads()}
 
 
 def machine_name() -> str:

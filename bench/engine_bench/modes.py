@@ -61,10 +61,10 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
             profiled = _profiled_mode_run(ctx, llm, prompts, out_lens, det_ids, cap_s, f"{tag}-{name}-prof")
         modes[name] = {"mode": mode, "graphs": getattr(llm, "bench_graphs", None),
                        "attention": getattr(llm.core.runner.model.attention, "name", None),
-                       "dvr_decode_attention": llm.config.dvr_decode_attention,
-                       "dvr_lookahead": llm.config.dvr_lookahead, "overlap": llm.config.overlap,
+                       "dvr_decode_attention": llm.config.tuning.dvr_decode_attention.value,
+                       "dvr_lookahead": llm.config.tuning.dvr_lookahead, "overlap": llm.config.tuning.overlap,
                        "warmup_tokens_per_request": WARMUP_TOKENS,
-                       "canonical_prefill_min_tokens": llm.config.canonical_prefill_min_tokens,
+                       "canonical_prefill_min_tokens": llm.config.tuning.canonical_prefill_min_tokens,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "repeats": len(runs), "runs_seconds": [r["seconds"] for r in runs],
                        **run}

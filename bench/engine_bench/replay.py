@@ -37,7 +37,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--fault-rate", type=float, default=0.0, help="fast-path candidate flip rate")
     p.add_argument("--dvr-decode-attention", default="canonical", choices=["canonical", "split"],
-                   help="EngineConfig.dvr_decode_attention: DVR decode rows with the verifier's attention or split-KV")
+                   help="DvrTuning.dvr_decode_attention: DVR decode rows with the verifier's attention or split-KV")
     p.add_argument("--logit-scale", type=float, default=8.0, help="peaked synthetic logits' scale")
     p.add_argument("--no-graphs", action="store_true", help="eager decode/verify instead of CUDA graphs")
     p.add_argument("--out", default="bench/results")
@@ -56,7 +56,7 @@ def build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
-    from engine.config import EngineConfig
+    from engine.config import DvrTuning, EngineConfig
     from engine.llm import LLM
 
     per_seq = -(-(args.prompt_len + args.tokens + args.window) // BLOCK_SIZE) + 1
@@ -66,7 +66,8 @@ def make_llm(args: argparse.Namespace, model: Any, shape: Any) -> Any:
                           cuda_graphs=cuda and not args.no_graphs,
                           num_kv_blocks=RESERVED_BLOCKS + args.transcripts * per_seq, max_num_seqs=args.transcripts,
                           max_num_batched_tokens=max(4096, args.prompt_len), max_model_len=4096,
-                          fault_rate=args.fault_rate, fault_seed=1, dvr_decode_attention=args.dvr_decode_attention)
+                          fault_rate=args.fault_rate, fault_seed=1,
+                          tuning=DvrTuning(dvr_decode_attention=args.dvr_decode_attention))
     return LLM.from_parts(config, model, shape, eos_ids=set())
 
 
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         "torch": torch.__version__,
                         "date_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
                         "graphs": llm.core.runner.graphs_status,
-                        "dvr_decode_attention": llm.config.dvr_decode_attention},
+                        "dvr_decode_attention": llm.config.tuning.dvr_decode_attention.value},
         "args": vars(args),
         "transcripts": args.transcripts, "tokens_per_transcript": args.tokens, "output_tokens": tokens,
         "generation_s": round(gen_s, 3), "replay_s": round(replay_s, 3),

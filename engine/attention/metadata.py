@@ -36,10 +36,10 @@ class AttentionMetadata:
     # free anyway). Backends that do not split decode ignore it.
     canonical_step: bool = False
     # VERIFY only: the last `carried_rows` rows are one-token decode rows the pass carries beside its G rows of
-    # W tokens (EngineConfig.verify_decode_rows; dummy rows where fewer are carried). Backends give the G rows
+    # W tokens (DvrTuning.verify_decode_rows; dummy rows where fewer are carried). Backends give the G rows
     # the verifier's numerics and the carried rows any decode numerics; no carried row changes a G row's bits.
     carried_rows: int = 0
-    # VERIFY only, packed (EngineConfig.verify_packing): W, the most tokens a verify row holds; its rows then hold
+    # VERIFY only, packed (DvrTuning.verify_packing): W, the most tokens a verify row holds; its rows then hold
     # 0 .. W tokens each (0: every verify row holds exactly W). Backends give each verify query the bits it gets
     # in a padded pass (rows of exactly W tokens).
     verify_window: int = 0

@@ -64,4 +64,4 @@ async def test_deterministic_stream_arrives_commit_by_commit(stream_server: Live
     assert sum(tokens_per_chunk) == 64
     assert tokens_per_chunk == [1] + [e - s for s, e in spans], (tokens_per_chunk, spans)
     assert len(tokens_per_chunk) >= 4, tokens_per_chunk
-    assert stream_server.engine.config.verify_cadence_steps < STREAM_OPTIONS["window"] - 1
+    assert stream_server.engine.config.tuning.verify_cadence_steps < STREAM_OPTIONS["window"] - 1

@@ -79,7 +79,7 @@ def smollm2_shape(smollm2_source: Any) -> Any:
 
 @pytest.fixture(scope="session")
 def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -> Callable[..., Any]:
-    """make_real_llm(**EngineConfig fields) -> LLM over the shared SmolLM2 weights (own KV cache)."""
+    """make_real_llm(**options) -> LLM over the shared SmolLM2 weights (own KV cache)."""
     from engine.config import EngineConfig
     from engine.llm import LLM
 
@@ -89,7 +89,7 @@ def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -
         # cuda_graphs=True); on CUDA the product defaults are graphs on and a limit sized from the KV budget
         cfg.setdefault("cuda_graphs", False)
         cfg.setdefault("max_num_seqs", 32)
-        return LLM.from_parts(EngineConfig(**cfg), smollm2_model, smollm2_shape,
+        return LLM.from_parts(EngineConfig.from_options(cfg), smollm2_model, smollm2_shape,
                               set(smollm2_source.info.eos_token_ids), smollm2_source.tokenizer)
 
     return make
@@ -97,7 +97,7 @@ def make_real_llm(smollm2_source: Any, smollm2_model: Any, smollm2_shape: Any) -
 
 @pytest.fixture
 def make_mock_llm() -> Callable[..., Any]:
-    """make_mock_llm(**EngineConfig fields) -> LLM over a tiny mock model (noisy fast path)."""
+    """make_mock_llm(**options) -> LLM over a tiny mock model (noisy fast path)."""
     from engine.config import EngineConfig
     from engine.llm import LLM
     from tests.engine.mock_model import MockModel
@@ -107,6 +107,6 @@ def make_mock_llm() -> Callable[..., Any]:
         cfg.setdefault("window", 8)
         cfg.setdefault("group", 4)
         cfg.setdefault("num_kv_blocks", 64)
-        return LLM.from_parts(EngineConfig(**cfg), model, model.shape, {1})
+        return LLM.from_parts(EngineConfig.from_options(cfg), model, model.shape, {1})
 
     return make

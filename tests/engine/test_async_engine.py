@@ -21,12 +21,12 @@ CFG = dict(window=8, group=4, num_kv_blocks=64)
 def _engine(**cfg) -> AsyncEngine:
     model = MockModel()
     info = SimpleNamespace(eos_token_ids=(1,))
-    return AsyncEngine(EngineConfig(**{**CFG, **cfg}), LoadedModel(model, model.shape, None, info))
+    return AsyncEngine(EngineConfig.from_options({**CFG, **cfg}), LoadedModel(model, model.shape, None, info))
 
 
 def _offline(prompts, params):
     model = MockModel()
-    return LLM.from_parts(EngineConfig(**CFG), model, model.shape, {1}).generate(prompts, params)
+    return LLM.from_parts(EngineConfig.from_options(CFG), model, model.shape, {1}).generate(prompts, params)
 
 
 async def _collect(engine: AsyncEngine, prompt, params, rid=None):

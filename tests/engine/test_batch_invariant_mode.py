@@ -22,6 +22,7 @@ from engine.model_runner import ModelShape
 from engine.models import LlamaForCausalLM, arch_from_hf, batch_invariant_view, build_model
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import assert_same, one_at_a_time, staggered
 
 BI = "batch_invariant"
@@ -238,14 +239,14 @@ def test_backend_equals_bi_paged_attention(kind: PassKind) -> None:
 
 # ---- config, fingerprint, CLI ----------------------------------------------------------------------
 def test_config_and_fingerprint() -> None:
-    cfg = EngineConfig(mode=BI, device="cpu")
+    cfg = resolved(mode=BI, device="cpu")
     assert cfg.attention_backend == BI
     with pytest.raises(ValueError, match="attention_backend"):
         EngineConfig(mode=BI, attention_backend="triton")
     fp = runtime_fingerprint(cfg)
     assert fp["mode"] == BI and fp["attention_backend"] == BI
     assert fp["attention_split_size"] == DEFAULT_SPLIT_SIZE and fp["batch_invariant_kernels"].startswith("torch")
-    assert "attention_split_size" not in runtime_fingerprint(EngineConfig(device="cpu"))
+    assert "attention_split_size" not in runtime_fingerprint(resolved(device="cpu"))
 
 
 def test_cli_generate(tiny_llama_dir: Any, capsys: pytest.CaptureFixture[str]) -> None:

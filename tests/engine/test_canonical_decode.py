@@ -22,6 +22,7 @@ import torch
 
 from engine.attention.metadata import AttentionMetadata, PassKind
 from engine.config import DEFAULT_KERNEL_SETTINGS, KernelSettings
+from tests.engine.configs import resolved
 from tests.engine.gpu_reference import make_paged_case
 
 REPO = Path(__file__).resolve().parents[2]
@@ -287,7 +288,6 @@ def test_query_tile_changes_the_kernel_identity() -> None:
     check is keyed by them."""
     from engine.attention import triton_backend as tb
     from engine.attention import triton_canonical_decode as packed
-    from engine.config import EngineConfig
     from engine.fingerprint import runtime_fingerprint
 
     base = DEFAULT_KERNEL_SETTINGS.kernel_id()
@@ -304,7 +304,7 @@ def test_query_tile_changes_the_kernel_identity() -> None:
         KernelSettings(chunk=100)
     # the fingerprint of an engine on the triton backend names its kernels' id (CUDA configs only: here the
     # config's own method, which the fingerprint calls)
-    config = EngineConfig(kernels=tall)
+    config = resolved(device="cpu", kernels=tall)
     assert config.kernels.kernel_id() == tall.kernel_id()
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import torch
 
-from engine.config import DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, EngineConfig
+from engine.config import DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, DvrTuning
 from engine.model_runner import DUMMY_PREFILL_ROW, DUMMY_TOKEN, ModelRunner, ModelShape, Row
 from engine.sampling import SamplingParams
 from engine.scheduler import CANONICAL_PREFILL_ROWS, Scheduler, StepKind, canonical_prefill_tokens
 from engine.sequence import Sequence, SeqKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import assert_same
 from tests.engine.test_host_overhead import Recorder
 
@@ -21,21 +22,22 @@ BS = 16
 
 
 def test_pass_size_is_a_function_of_the_prompt_and_config() -> None:
-    cfg = EngineConfig(device="cpu", canonical_prefill_min_tokens=64, max_num_batched_tokens=1000)
+    cfg = resolved(device="cpu", max_num_batched_tokens=1000, tuning=DvrTuning(canonical_prefill_min_tokens=64))
     assert [canonical_prefill_tokens(cfg, n) for n in (1, 63, 64, 65, 200, 513, 1000)] == \
         [64, 64, 64, 128, 256, 1000, 1000]
-    assert EngineConfig(device="cpu").canonical_prefill_min_tokens == 64
+    assert resolved(device="cpu").tuning.canonical_prefill_min_tokens == 64
 
 
 def test_cuda_default_pass_is_2048_tokens_at_most_the_budget() -> None:
     """CUDA's default smallest canonical pass is 2048 tokens, at most the prefill budget (a config only:
     building it needs no GPU); another minimum is a setting, and the pass sizes follow it."""
-    assert EngineConfig(device="cuda").canonical_prefill_min_tokens == DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS == 2048
-    assert EngineConfig(device="cuda", max_num_batched_tokens=8192).canonical_prefill_min_tokens == 2048
-    assert EngineConfig(device="cuda", max_num_batched_tokens=1024).canonical_prefill_min_tokens == 1024
-    assert EngineConfig(device="cuda", max_num_batched_tokens=8192,
-                        canonical_prefill_min_tokens=8192).canonical_prefill_min_tokens == 8192
-    cfg = EngineConfig(device="cuda", max_num_batched_tokens=8192, canonical_prefill_min_tokens=2048)
+    default = resolved(device="cuda").tuning.canonical_prefill_min_tokens
+    assert default == DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS == 2048
+    assert resolved(device="cuda", max_num_batched_tokens=8192).tuning.canonical_prefill_min_tokens == 2048
+    assert resolved(device="cuda", max_num_batched_tokens=1024).tuning.canonical_prefill_min_tokens == 1024
+    assert resolved(device="cuda", max_num_batched_tokens=8192,
+                    tuning=DvrTuning(canonical_prefill_min_tokens=8192)).tuning.canonical_prefill_min_tokens == 8192
+    cfg = resolved(device="cuda", max_num_batched_tokens=8192, tuning=DvrTuning(canonical_prefill_min_tokens=2048))
     assert [canonical_prefill_tokens(cfg, n) for n in (1, 2048, 2049, 4097, 8192)] == [2048, 2048, 4096, 8192, 8192]
 
 
@@ -43,7 +45,7 @@ def test_runner_pads_the_pass_and_the_logits_gemm() -> None:
     model = Recorder()
     seen: list[int] = []
     model.compute_logits = lambda h: (seen.append(h.shape[0]), torch.zeros(h.shape[0], 8))[1]  # type: ignore
-    cfg = EngineConfig(device="cpu", num_kv_blocks=64, block_size=BS)
+    cfg = resolved(device="cpu", num_kv_blocks=64, block_size=BS)
     runner = ModelRunner(cfg, model, ModelShape(1, 1, 4, 8, 4096), torch.float32, torch.device("cpu"))
     rows = [Row([5] * 20, 0, [2, 3]), Row([6] * 7, 0, [4])]
     logits = runner.prefill(rows, pass_tokens=256)
@@ -67,8 +69,8 @@ def _seq(i: int, n: int, det: bool) -> Sequence:
 def _full_size_scheduler(seqs: list[Sequence]) -> Scheduler:
     """A scheduler whose canonical pass is as large as a plain pass (256 tokens, as CUDA's default), with
     `seqs` queued in order."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                   tuning=DvrTuning(canonical_prefill_min_tokens=256))
     sched = Scheduler(cfg, set())
     for s in seqs:
         sched.add(s)
@@ -76,7 +78,7 @@ def _full_size_scheduler(seqs: list[Sequence]) -> Scheduler:
 
 
 def test_scheduler_packs_same_size_deterministic_prompts_and_fills_with_fast_ones() -> None:
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, canonical_prefill_min_tokens=64)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS, tuning=DvrTuning(canonical_prefill_min_tokens=64))
     sched = Scheduler(cfg, set())
     seqs = [_seq(0, 30, True), _seq(1, 100, True), _seq(2, 20, True), _seq(3, 10, False), _seq(4, 30, True)]
     for s in seqs:
@@ -92,7 +94,7 @@ def test_scheduler_packs_same_size_deterministic_prompts_and_fills_with_fast_one
 
 
 def test_fast_prompts_alone_are_batched_without_padding() -> None:
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS)
     sched = Scheduler(cfg, set())
     for s in [_seq(0, 30, False), _seq(1, 40, False), _seq(2, 20, True)]:
         sched.add(s)
@@ -167,8 +169,8 @@ def test_deterministic_prompt_beyond_the_budget_joins_a_pass_that_leaves_prompts
 
 def test_deterministic_prompt_beyond_the_row_cap_joins_the_pass() -> None:
     """The same when the plain pass stops at the row cap (max_num_seqs) rather than the budget."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=256, max_num_seqs=3)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256, max_num_seqs=3,
+                   tuning=DvrTuning(canonical_prefill_min_tokens=256))
     sched = Scheduler(cfg, set())
     for s in [_seq(0, 10, False), _seq(1, 10, False), _seq(2, 10, False), _seq(3, 10, True)]:
         sched.add(s)
@@ -179,8 +181,8 @@ def test_deterministic_prompt_beyond_the_row_cap_joins_the_pass() -> None:
 def test_a_small_canonical_pass_is_not_pulled_forward() -> None:
     """A DVR prompt whose canonical pass is smaller than a plain pass (min tokens below the budget) is not
     pulled into a plain pass: it waits for its own small canonical pass."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=64)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                   tuning=DvrTuning(canonical_prefill_min_tokens=64))
     sched = Scheduler(cfg, set())
     for s in [_seq(0, 200, False), _seq(1, 40, False), _seq(2, 20, True)]:
         sched.add(s)
@@ -195,8 +197,8 @@ def test_a_small_canonical_pass_takes_the_fast_prompts_before_it_when_they_fit()
     before it than fit in that pass with it: the pass becomes that canonical pass (the fast prompts before it,
     then it, then fast prompts that still fit), instead of a small plain pass and a padded canonical one.
     When they would not fit, the plain pass stops before it (the test above)."""
-    cfg = EngineConfig(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
-                       canonical_prefill_min_tokens=64)
+    cfg = resolved(device="cpu", num_kv_blocks=400, block_size=BS, max_num_batched_tokens=256,
+                   tuning=DvrTuning(canonical_prefill_min_tokens=64))
     sched = Scheduler(cfg, set())
     for s in [_seq(0, 20, False), _seq(1, 30, True), _seq(2, 100, False), _seq(3, 10, False), _seq(4, 40, True)]:
         sched.add(s)
@@ -238,8 +240,8 @@ def test_what_shapes_a_canonical_pass_is_in_the_fingerprint() -> None:
     from engine.fingerprint import runtime_fingerprint
     from engine.scheduler import CANONICAL_PREFILL_ROWS
 
-    a = runtime_fingerprint(EngineConfig(device="cpu", max_num_batched_tokens=4096))
-    b = runtime_fingerprint(EngineConfig(device="cpu", max_num_batched_tokens=2048))
+    a = runtime_fingerprint(resolved(device="cpu", max_num_batched_tokens=4096))
+    b = runtime_fingerprint(resolved(device="cpu", max_num_batched_tokens=2048))
     assert a["canonical_prefill_rows"] == CANONICAL_PREFILL_ROWS
     assert (a["canonical_prefill_max_tokens"], b["canonical_prefill_max_tokens"]) == (4096, 2048)
     assert a != b

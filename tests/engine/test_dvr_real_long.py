@@ -32,7 +32,7 @@ def test_multi_window_passes_on_the_real_model(make_real_llm, workload) -> None:
     longer = [replace(p, max_tokens=p.max_tokens + 20) for p in params[:6]]
     ref = make_real_llm(dvr_lookahead=0, **SMALL).generate(prompts[:6], longer)
     llm = make_real_llm(dvr_decode_attention="canonical", **SMALL)
-    assert llm.config.dvr_lookahead == (SMALL["group"] - 1) * SMALL["window"]
+    assert llm.config.tuning.dvr_lookahead == (SMALL["group"] - 1) * SMALL["window"]
     passes: list[int] = []
     sched = llm.core.scheduler
 

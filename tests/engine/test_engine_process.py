@@ -36,7 +36,8 @@ def failing_loader(config: EngineConfig) -> LoadedModel:
 
 def _offline(prompts, params, **cfg):
     model = MockModel()
-    return LLM.from_parts(EngineConfig(**{**CFG, **cfg}), model, model.shape, {1}).generate(prompts, params)
+    llm = LLM.from_parts(EngineConfig.from_options({**CFG, **cfg}), model, model.shape, {1})
+    return llm.generate(prompts, params)
 
 
 async def _collect(engine, prompt, params, rid=None):
@@ -45,7 +46,7 @@ async def _collect(engine, prompt, params, rid=None):
 
 @pytest.fixture(scope="module")
 def mock_process():
-    engine = EngineProcess(EngineConfig(**CFG), loader=mock_loaded, start_timeout_s=300)
+    engine = EngineProcess(EngineConfig.from_options(CFG), loader=mock_loaded, start_timeout_s=300)
     yield engine
     asyncio.run(engine.shutdown())
 
@@ -62,7 +63,8 @@ async def test_streams_match_offline_and_in_process(mock_process: EngineProcess)
     assert_same([s[-1] for s in streams[: len(prompts)]], _offline(prompts, params))
     assert all(len(s[-1].token_ids) == 18 for s in streams[len(prompts):])
     model = MockModel()
-    local = AsyncEngine(EngineConfig(**CFG), LoadedModel(model, model.shape, None, SimpleNamespace(eos_token_ids=(1,))))
+    local = AsyncEngine(EngineConfig.from_options(CFG),
+                        LoadedModel(model, model.shape, None, SimpleNamespace(eos_token_ids=(1,))))
     assert mock_process.runtime_fingerprint() == local.runtime_fingerprint()
     assert mock_process.system_fingerprint() == local.system_fingerprint()
     stats = mock_process.stats()
@@ -129,11 +131,11 @@ async def test_replay_in_the_engine_process(mock_process: EngineProcess) -> None
 
 def test_a_model_that_cannot_load_is_an_error_at_start() -> None:
     with pytest.raises(RuntimeError, match="FileNotFoundError: no weights at /nowhere"):
-        EngineProcess(EngineConfig(**CFG), loader=failing_loader, start_timeout_s=300)
+        EngineProcess(EngineConfig.from_options(CFG), loader=failing_loader, start_timeout_s=300)
 
 
 async def test_a_killed_engine_process_fails_its_streams() -> None:
-    engine = EngineProcess(EngineConfig(**CFG), loader=mock_loaded, start_timeout_s=300)
+    engine = EngineProcess(EngineConfig.from_options(CFG), loader=mock_loaded, start_timeout_s=300)
     try:
         agen = engine.generate([3, 4], SamplingParams(max_tokens=400, ignore_eos=True))
         await agen.__anext__()

@@ -38,9 +38,9 @@ def gpu_config(**cfg: Any) -> EngineConfig:
     """A CUDA bf16 config; names the Triton backend when this EngineConfig accepts it."""
     cfg = {"device": "cuda", "dtype": "bfloat16", "cuda_graphs": False, "max_num_seqs": 32, **cfg}
     try:
-        return EngineConfig(**{"attention_backend": "triton", **cfg})
+        return EngineConfig.from_options({"attention_backend": "triton", **cfg})
     except ValueError:
-        return EngineConfig(**cfg)
+        return EngineConfig.from_options(cfg)
 
 
 @pytest.fixture(scope="session")

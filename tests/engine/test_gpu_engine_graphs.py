@@ -37,8 +37,8 @@ def smol(gpu_smollm2_source: Any) -> Any:
 
 def make(smol: Any, **cfg: Any) -> LLM:
     source, model, shape = smol
-    config = EngineConfig(**{"device": "cuda", "dtype": "bfloat16", "attention_backend": "triton", "window": 16,
-                             "group": 4, "max_num_seqs": 16, "cuda_graphs": False, **cfg})
+    config = EngineConfig.from_options({"device": "cuda", "dtype": "bfloat16", "attention_backend": "triton",
+                                        "window": 16, "group": 4, "max_num_seqs": 16, "cuda_graphs": False, **cfg})
     return LLM.from_parts(config, model, shape, set(source.info.eos_token_ids), source.tokenizer)
 
 
@@ -213,7 +213,7 @@ def test_the_defaults_capture_graphs_and_size_the_sequence_limit(smol: Any) -> N
     source, model, shape = smol
     llm = LLM.from_parts(EngineConfig(device="cuda"), model, shape, set(source.info.eos_token_ids), source.tokenizer)
     config = llm.core.config
-    assert config.cuda_graphs and config.overlap and config.max_num_batched_tokens == 8192
+    assert config.cuda_graphs and config.tuning.overlap and config.max_num_batched_tokens == 8192
     assert llm.core.runner.graphs_status.startswith("decode") and "+verify" in llm.core.runner.graphs_status
     slots = (config.num_kv_blocks - 2) * config.block_size
     assert config.max_num_seqs == min(256, slots // 1024) == 256, (config.max_num_seqs, slots)

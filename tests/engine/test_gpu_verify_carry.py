@@ -14,6 +14,7 @@ import torch
 
 from engine.config import DEFAULT_VERIFY_DECODE_ROWS
 from engine.sampling import SamplingParams
+from tests.engine.configs import CONTEXT, FREE_KV_BLOCKS
 from tests.engine.dvr_cases import assert_same, one_at_a_time, staggered
 from tests.engine.test_gpu_dvr import gpu_config, make_real_llm, smollm2_model, smollm2_source  # noqa: F401
 from tests.engine.test_verify_carry import test_real_model_alone_equals_batched_with_carried_rows  # noqa: F401
@@ -32,8 +33,11 @@ def _workload(tok: Any) -> tuple[list[list[int]], list[SamplingParams]]:
 
 
 def test_default_carries_64_rows_on_triton() -> None:
-    assert gpu_config().verify_decode_rows == DEFAULT_VERIFY_DECODE_ROWS == 64
-    assert gpu_config(mode="nondeterministic").verify_decode_rows == 0
+    def carried(**cfg: Any) -> int | None:
+        return gpu_config(**cfg).resolve(model_max_len=CONTEXT, free_kv_blocks=FREE_KV_BLOCKS).tuning.verify_decode_rows
+
+    assert carried() == DEFAULT_VERIFY_DECODE_ROWS == 64
+    assert carried(mode="nondeterministic") == 0
 
 
 @pytest.mark.parametrize("graphs", [False, True])

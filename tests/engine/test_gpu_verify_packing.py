@@ -1,4 +1,4 @@
-"""Packed verify passes on CUDA (EngineConfig.verify_packing = "packed").
+"""Packed verify passes on CUDA (DvrTuning.verify_packing = "packed").
 
 Packing moves a window to another row offset of the pass (not only a multiple of W), so it rests on two
 device properties: the Triton verify kernel's tiles are absolute (a query's bits do not depend on its

@@ -41,7 +41,7 @@ class Recorder:
 
 def runner(**cfg: Any) -> tuple[ModelRunner, Recorder]:
     model = Recorder()
-    config = EngineConfig(num_kv_blocks=200, block_size=BS, window=8, group=4, **cfg)
+    config = EngineConfig.from_options({"num_kv_blocks": 200, "block_size": BS, "window": 8, "group": 4, **cfg})
     return ModelRunner(config, model, ModelShape(1, 1, 4, 8, MAX_LEN), torch.float32, torch.device("cpu")), model
 
 

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DvrTuning
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind, dvr_windows
 from engine.sequence import Sequence, SeqKind, SeqStatus
 from engine.verifier import dvr_row, window_applies
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
                                     replay_requests, staggered)
 
@@ -86,11 +87,13 @@ def _verify_plans(llm: Any) -> list[list[tuple[str, int]]]:
 
 
 def test_default_lookahead_lets_one_row_fill_a_pass_with_canonical_rows() -> None:
-    assert EngineConfig(device="cpu", window=W, group=G, dvr_decode_attention="canonical").dvr_lookahead == (G - 1) * W
-    assert EngineConfig(device="cpu", window=W, group=G, dvr_decode_attention="split").dvr_lookahead == W - 1
-    assert EngineConfig(device="cpu", window=W, group=G,
-                        dvr_decode_attention="canonical_step").dvr_lookahead == (G - 1) * W
-    assert EngineConfig(device="cpu", window=W, group=G, dvr_lookahead=3).dvr_lookahead == 3
+    assert resolved(device="cpu", window=W, group=G,
+                    tuning=DvrTuning(dvr_decode_attention="canonical")).tuning.dvr_lookahead == (G - 1) * W
+    assert resolved(device="cpu", window=W, group=G,
+                    tuning=DvrTuning(dvr_decode_attention="split")).tuning.dvr_lookahead == W - 1
+    assert resolved(device="cpu", window=W, group=G,
+                    tuning=DvrTuning(dvr_decode_attention="canonical_step")).tuning.dvr_lookahead == (G - 1) * W
+    assert resolved(device="cpu", window=W, group=G, tuning=DvrTuning(dvr_lookahead=3)).tuning.dvr_lookahead == 3
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.3])
@@ -178,7 +181,7 @@ def test_verify_trigger_counts_windows_and_bounds_the_wait() -> None:
     steps (it gathers windows meanwhile), one that cannot decode (stop, run-ahead cap) at most W steps."""
     from engine.scheduler import Scheduler
 
-    config = EngineConfig(device="cpu", window=W, group=G, dvr_lookahead=3 * W, num_kv_blocks=64)
+    config = resolved(device="cpu", window=W, group=G, num_kv_blocks=64, tuning=DvrTuning(dvr_lookahead=3 * W))
     sched = Scheduler(config, {EOS})
     other = _seq([], committed=1)  # something else still decoding
     two = _seq(list(range(30, 30 + 2 * W)))  # 2 full windows

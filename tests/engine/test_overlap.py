@@ -1,4 +1,4 @@
-"""Engine overlap (EngineConfig.overlap): a decode step is planned and launched while the previous one's
+"""Engine overlap (EngineConfig.tuning.overlap): a decode step is planned and launched while the previous one's
 tokens are still unread, its input ids taken from them on the device. On the CPU the same bookkeeping runs
 (the "device" tokens are host tensors), so these tests exercise every path the GPU takes."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import assert_same, assert_windows_cover, det_workload, staggered
 
 VOCAB = 64
@@ -53,9 +53,9 @@ def workload():
 
 
 def test_overlap_is_off_on_the_cpu_by_default_and_on_when_asked(make_mock_llm) -> None:
-    assert make_mock_llm().config.overlap is False
-    assert make_mock_llm(overlap=True).config.overlap is True
-    with pytest.raises(ValueError, match="EngineConfig.overlap"):
+    assert make_mock_llm().config.tuning.overlap is False
+    assert make_mock_llm(overlap=True).config.tuning.overlap is True
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.overlap"):
         make_mock_llm(overlap="yes")
 
 
@@ -288,8 +288,9 @@ def test_no_early_decode_by_default_without_overlap_and_filtered_rows_decode_ear
     it launches the early decode step too. The outputs are the same either way."""
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
-    assert default.config.verify_early_decode is False
-    assert EngineConfig(device="cuda").verify_early_decode is True and EngineConfig(device="cuda").overlap
+    assert default.config.tuning.verify_early_decode is False
+    cuda = resolved(device="cuda").tuning
+    assert cuda.verify_early_decode is True and cuda.overlap
     by_default = default.generate(prompts, _plain(params))
     assert default.core.stats().early_decode_steps == 0 and default.core.stats().verify_passes > 0
     off = make_mock_llm(overlap=False, verify_early_decode=True, verify_decode_rows=4)
@@ -373,8 +374,8 @@ def test_no_chained_verify_by_default_or_without_overlap(make_mock_llm) -> None:
     prompts, params = det_workload(8, VOCAB, max_tokens=(10, 24), seed=7)
     params = _plain(params)
     default = make_mock_llm(overlap=True, verify_decode_rows=4)
-    assert default.config.chained_verify is False
-    assert EngineConfig(device="cuda").chained_verify is True
+    assert default.config.tuning.chained_verify is False
+    assert resolved(device="cuda").tuning.chained_verify is True
     by_default = default.generate(prompts, params)
     assert default.core.stats().chained_verify_passes == 0 and default.core.stats().verify_passes > 0
     off = make_mock_llm(overlap=False, chained_verify=True, verify_decode_rows=4)

@@ -18,6 +18,7 @@ from engine.models.sharding import ShardPlan
 from engine.models.synthetic import build_synthetic_model, random_hf_weights, synthetic_hf_config
 from engine.parallel import TensorParallel, reduction_id
 from engine.sampling import SamplingParams
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (REAL_TEXTS, assert_same, assert_windows_cover, fast_params, one_at_a_time,
                                     replay_requests, staggered)
 
@@ -66,8 +67,8 @@ def test_misshaped_full_weight_is_refused() -> None:
 
 
 def test_config_and_fingerprint_name_the_layout() -> None:
-    one = runtime_fingerprint(EngineConfig(device="cpu"))
-    two = runtime_fingerprint(EngineConfig(device="cpu", tensor_parallel_size=2))
+    one = runtime_fingerprint(resolved(device="cpu"))
+    two = runtime_fingerprint(resolved(device="cpu", tensor_parallel_size=2))
     assert "tensor_parallel_size" not in one and "tp_reduction" not in one
     assert (two["tensor_parallel_size"], two["tp_reduction"]) == (2, "gather_sum")
     assert system_fingerprint(one) != system_fingerprint(two)

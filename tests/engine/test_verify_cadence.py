@@ -1,4 +1,4 @@
-"""Verify cadence (EngineConfig.verify_cadence_steps / verify_cadence_max_rows): while the running batch is
+"""Verify cadence (DvrTuning.verify_cadence_steps / verify_cadence_max_rows): while the running batch is
 small, a verify pass is due once a deterministic row took k candidates since its last commit, and every pass
 takes each deterministic row's unfinished window too. It moves window boundaries, never a committed bit:
 token ids and logprobs are compared exactly across cadences, with faults, preemption and overlap, and
@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DvrTuning, EngineConfig
 from engine.llm import LLM
 from engine.scheduler import StepKind
 from engine.sequence import RequestOutput
 from engine.verifier import RowKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time, replay_requests,
                                     staggered)
 
@@ -61,13 +62,13 @@ def unfinished_windows(plans: list[tuple[int, list[tuple[int, int, bool]]]]) -> 
 
 
 def test_cadence_config_defaults_and_checks() -> None:
-    cpu = EngineConfig(device="cpu")
-    assert cpu.verify_cadence_steps > 0 and cpu.verify_cadence_max_rows == cpu.group
-    assert EngineConfig(device="cpu", group=4, verify_cadence_steps=0).verify_cadence_steps == 0
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_cadence_steps: must be an int >= 0"):
-        EngineConfig(device="cpu", verify_cadence_steps=-1)
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_cadence_max_rows: must be an int >= 1"):
-        EngineConfig(device="cpu", verify_cadence_max_rows=0)
+    cpu = resolved(device="cpu")
+    assert cpu.tuning.verify_cadence_steps > 0 and cpu.tuning.verify_cadence_max_rows == cpu.group
+    assert resolved(device="cpu", group=4, tuning=DvrTuning(verify_cadence_steps=0)).tuning.verify_cadence_steps == 0
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_cadence_steps: must be an int >= 0"):
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_cadence_steps=-1))
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_cadence_max_rows: must be an int >= 1"):
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_cadence_max_rows=0))
 
 
 def test_cadence_changes_windows_not_bits(make_mock_llm, workload) -> None:

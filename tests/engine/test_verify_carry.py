@@ -1,4 +1,4 @@
-"""Verify passes that carry a decode step (`EngineConfig.verify_decode_rows` = D).
+"""Verify passes that carry a decode step (`DvrTuning.verify_decode_rows` = D).
 
 A verify pass runs its G x W verify tokens and then D one-token decode rows of other running requests in
 one forward, so both share one read of the weights. The pass is always G*W + D tokens (dummy rows where
@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DvrTuning, EngineConfig
 from engine.fingerprint import runtime_fingerprint
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
                                     real_workload, replay_requests, staggered)
 
@@ -52,17 +53,19 @@ def _carried_plans(llm: Any) -> list[tuple[int, set[str], set[str]]]:
 
 
 def test_config_resolves_and_checks_the_field() -> None:
-    assert EngineConfig(device="cpu").verify_decode_rows == 0  # torch backend: off unless asked
-    assert EngineConfig(device="cpu", verify_decode_rows=5).verify_decode_rows == 5
+    assert resolved(device="cpu").tuning.verify_decode_rows == 0  # torch backend: off unless asked
+    assert resolved(device="cpu", tuning=DvrTuning(verify_decode_rows=5)).tuning.verify_decode_rows == 5
     # no verify passes outside dvr: nothing to carry, whatever was asked
-    assert EngineConfig(device="cpu", mode="nondeterministic", verify_decode_rows=5).verify_decode_rows == 0
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_decode_rows: must be an int >= 0"):
-        EngineConfig(device="cpu", verify_decode_rows=-1)
+    assert resolved(device="cpu", mode="nondeterministic",
+                    tuning=DvrTuning(verify_decode_rows=5)).tuning.verify_decode_rows == 0
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_decode_rows: must be an int >= 0"):
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_decode_rows=-1))
 
 
 def test_fingerprint_names_the_carried_rows() -> None:
-    assert "verify_decode_rows" not in runtime_fingerprint(EngineConfig(device="cpu"))
-    assert runtime_fingerprint(EngineConfig(device="cpu", verify_decode_rows=4))["verify_decode_rows"] == 4
+    assert "verify_decode_rows" not in runtime_fingerprint(resolved(device="cpu"))
+    assert runtime_fingerprint(resolved(device="cpu",
+                                        tuning=DvrTuning(verify_decode_rows=4)))["verify_decode_rows"] == 4
 
 
 @pytest.mark.parametrize("d", [1, 3, 8])
@@ -212,7 +215,8 @@ def test_carrying_never_preempts_and_skips_rows_without_a_free_slot() -> None:
     from engine.scheduler import Scheduler, seq_key
     from engine.sequence import Sequence, SeqKind, SeqStatus
 
-    config = EngineConfig(device="cpu", window=4, group=2, block_size=4, num_kv_blocks=6, verify_decode_rows=2)
+    config = resolved(device="cpu", window=4, group=2, block_size=4, num_kv_blocks=6,
+                      tuning=DvrTuning(verify_decode_rows=2))
     sched = Scheduler(config, {1})
     seqs = []
     for i, prompt_len in enumerate([4, 3, 3, 2]):

@@ -1,4 +1,4 @@
-"""Packed verify passes (`EngineConfig.verify_packing = "packed"`).
+"""Packed verify passes (`DvrTuning.verify_packing = "packed"`).
 
 A padded pass gives every window W token slots, so the last window of each request (cut by a stop or
 max_tokens) leaves slots empty. A packed pass lays its windows back to back and takes as many as fit in
@@ -14,10 +14,11 @@ from typing import Any
 
 import pytest
 
-from engine.config import EngineConfig
+from engine.config import DvrTuning, EngineConfig
 from engine.fingerprint import runtime_fingerprint
 from engine.sampling import SamplingParams
 from engine.scheduler import StepKind
+from tests.engine.configs import resolved
 from tests.engine.dvr_cases import (assert_same, assert_windows_cover, det_workload, one_at_a_time,
                                     real_workload, replay_requests, staggered)
 
@@ -51,26 +52,27 @@ def _verify_plans(llm: Any) -> list[list[int]]:
 
 
 def test_config_defaults_and_limits() -> None:
-    padded = EngineConfig(device="cpu")  # the CPU default
-    assert padded.verify_packing == "padded" and padded.verify_max_windows == padded.group
-    cuda = EngineConfig(device="cuda")  # the CUDA default (a config only: building it needs no GPU)
-    assert cuda.verify_packing == "packed" and cuda.verify_max_windows == 2 * cuda.group
-    assert EngineConfig(device="cuda", verify_packing="padded").verify_max_windows == cuda.group
-    packed = EngineConfig(device="cpu", verify_packing="packed", group=4)
-    assert packed.verify_max_windows == 8
-    assert EngineConfig(device="cpu", verify_packing="packed", group=4, verify_max_windows=12).verify_max_windows == 12
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_packing: one of padded/packed, got 'tight'"):
-        EngineConfig(device="cpu", verify_packing="tight")
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_max_windows: must be an int >= G = 4, got 3"):
-        EngineConfig(device="cpu", verify_packing="packed", group=4, verify_max_windows=3)
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_max_windows: a padded verify pass holds exactly G"):
-        EngineConfig(device="cpu", group=4, verify_max_windows=8)
+    padded = resolved(device="cpu")  # the CPU default
+    assert padded.tuning.verify_packing == "padded" and padded.tuning.verify_max_windows == padded.group
+    cuda = resolved(device="cuda")  # the CUDA default (a config only: building it needs no GPU)
+    assert cuda.tuning.verify_packing == "packed" and cuda.tuning.verify_max_windows == 2 * cuda.group
+    assert resolved(device="cuda", tuning=DvrTuning(verify_packing="padded")).tuning.verify_max_windows == cuda.group
+    packed = resolved(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed"))
+    assert packed.tuning.verify_max_windows == 8
+    assert resolved(device="cpu", group=4,
+                    tuning=DvrTuning(verify_packing="packed", verify_max_windows=12)).tuning.verify_max_windows == 12
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_packing: one of padded/packed, got 'tight'"):
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_packing="tight"))
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_max_windows: must be an int >= G = 4, got 3"):
+        EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_packing="packed", verify_max_windows=3))
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_max_windows: a padded verify pass holds exactly"):
+        EngineConfig(device="cpu", group=4, tuning=DvrTuning(verify_max_windows=8))
 
 
 def test_packing_is_not_part_of_the_runtime_identity() -> None:
     """It never changes a committed bit, so a transcript made either way replays under the other."""
-    assert runtime_fingerprint(EngineConfig(device="cpu")) == runtime_fingerprint(
-        EngineConfig(device="cpu", verify_packing="packed"))
+    assert runtime_fingerprint(resolved(device="cpu")) == runtime_fingerprint(
+        resolved(device="cpu", tuning=DvrTuning(verify_packing="packed")))
 
 
 @pytest.mark.parametrize("d", [0, 3])
@@ -153,21 +155,22 @@ def test_packed_trigger_counts_tokens_or_windows() -> None:
     step = 100
     for s in short:
         s.ready_since = step
-    by_tokens = Scheduler(EngineConfig(device="cpu", window=W, group=G, verify_packing="packed", num_kv_blocks=64),
+    by_tokens = Scheduler(resolved(device="cpu", window=W, group=G, num_kv_blocks=64,
+                                   tuning=DvrTuning(verify_packing="packed")),
                           {1})
-    assert by_tokens.config.verify_trigger == "tokens"
+    assert by_tokens.config.tuning.verify_trigger == "tokens"
     assert not by_tokens._verify_due(short, [other], step)  # 4 windows, 20 tokens < G*W = 32
     full = [_seq(list(range(40 + 10 * i, 40 + 10 * i + W - 1))) for i in range(3)]  # 3 full windows (24 tokens)
     for s in full:
         s.ready_since = step
     assert by_tokens._verify_due(short[:2] + full, [other], step)  # 10 + 24 tokens >= 32
-    by_windows = Scheduler(EngineConfig(device="cpu", window=W, group=G, verify_packing="packed",
-                                        verify_trigger="windows", num_kv_blocks=64), {1})
+    by_windows = Scheduler(resolved(device="cpu", window=W, group=G, num_kv_blocks=64,
+                                    tuning=DvrTuning(verify_packing="packed", verify_trigger="windows")), {1})
     assert by_windows._verify_due(short, [other], step)  # G windows
     picks, used = by_windows._pick_windows(short + full)
     assert len(picks) == 5 and used == 4 * 5 + 8, (picks, used)  # the 4 short ones and one full one fit in 32
-    with pytest.raises(ValueError, match=r"EngineConfig\.verify_trigger: one of tokens/windows, got 'rows'"):
-        EngineConfig(device="cpu", verify_trigger="rows")
+    with pytest.raises(ValueError, match=r"EngineConfig\.tuning\.verify_trigger: one of tokens/windows, got 'rows'"):
+        EngineConfig(device="cpu", tuning=DvrTuning(verify_trigger="rows"))
 
 
 def test_window_trigger_changes_no_committed_bit(make_mock_llm: Any, workload: Any) -> None:
