@@ -21,11 +21,14 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager, OutOfBlocks
-from engine.config import EngineConfig
 from engine.sequence import Sequence, SeqKind, SeqStatus
 from engine.verifier import VerifyRow, dvr_row, teacher_row
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 class StepKind(enum.Enum):
