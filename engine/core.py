@@ -24,9 +24,10 @@ import numpy as np
 
 from engine.apply import apply_pass, release_kv
 from engine.config import EngineConfig, Mode
-from engine.grammar import GrammarError, GrammarState, TokenizerInfo, compile_grammar, tokenizer_info
+from engine.grammar import GrammarState, compile_request_grammar
 from engine.inflight import (InflightDecode, InflightPrefill, VerifyChain, decode_chain, needs_prefix, settle_decode,
                              settle_prefill)
+from engine.limits import RequestLimits, validate_request
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
 from engine.noise import splitmix64
 from engine.processors import Slot, apply_processors
@@ -61,44 +62,6 @@ class EngineStats:
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    """The engine's limits on one request, checked before anything is queued (also by a serving process
-    that holds no engine: engine/engine_process.py)."""
-
-    vocab_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    kv_slots: int
-    window: int
-
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit."""
-        if not prompt:
-            raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
-        params.validate()
-        if params.top_k > self.vocab_size:
-            raise ValueError(f"top_k: must be <= the vocabulary size {self.vocab_size} (0 = off), "
-                             f"got {params.top_k}")
-        over = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if over:
-            raise ValueError(f"SamplingParams.logit_bias: token ids must be < the vocabulary size "
-                             f"{self.vocab_size}, got {over[:5]}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        if len(prompt) > self.max_num_batched_tokens:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens})")
-        if total + self.window > self.kv_slots:
-            raise ValueError(f"max_tokens: prompt + max_tokens + W = {total + self.window} exceeds the "
-                             f"KV budget of {self.kv_slots} token slots (num_kv_blocks)")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
                  detokenize: Detokenize | None = None, tokenizer: Any = None,
@@ -114,7 +77,6 @@ class EngineCore:
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
         self.tokenizer = tokenizer
-        self._grammar_info: TokenizerInfo | None = None
         if tp is None:
             self.runner = ModelRunner(config, model, shape, config.resolved_dtype, config.resolved_device)
         else:
@@ -131,41 +93,28 @@ class EngineCore:
         self._arrivals = 0
         self._inflight: InflightDecode | None = None
         self._inflight_prefill: InflightPrefill | None = None
+        self._limits = RequestLimits(shape.vocab_size, self.max_model_len, config.max_num_batched_tokens,
+                                     self.scheduler.blocks.num_usable * config.block_size, config.window,
+                                     config.group, tuple(sorted(self.eos_ids)))
 
     # ---- requests ----------------------------------------------------------------------------
     def limits(self) -> RequestLimits:
         """What a request must fit; constant once the engine is built."""
-        return RequestLimits(self.shape.vocab_size, self.max_model_len, self.config.max_num_batched_tokens,
-                             self.scheduler.blocks.num_usable * self.config.block_size, self.config.window)
+        return self._limits
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; nothing is queued."""
-        self.limits().validate(prompt, params)
-        if params.grammar is not None:
-            self.compiled_grammar(params)
-
-    def compiled_grammar(self, params: SamplingParams) -> Any:
-        """The request's grammar compiled for this model's vocabulary (cached); ValueError naming `grammar`."""
-        assert params.grammar is not None
-        if self.tokenizer is None or not self.eos_ids:
-            raise ValueError("SamplingParams.grammar: constrained decoding needs the model's tokenizer and EOS ids "
-                             "(a completed grammar allows only EOS); this engine has none")
-        if self._grammar_info is None:
-            self._grammar_info = tokenizer_info(self.tokenizer, self.shape.vocab_size, sorted(self.eos_ids))
-        try:
-            return compile_grammar(params.grammar, self._grammar_info)
-        except GrammarError as exc:
-            raise GrammarError(f"SamplingParams.{exc}") from None
+        """Raise ValueError naming the field and the limit; nothing is queued (engine.limits.validate_request)."""
+        validate_request(self._limits, self.tokenizer, prompt, params)
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         if params.grammar is None:
             return None
-        compiled = self.compiled_grammar(params)
-        assert self._grammar_info is not None
-        return GrammarState(compiled, self._grammar_info)
+        compiled, info = compile_request_grammar(params.grammar, self.tokenizer, self._limits.vocab_size,
+                                                 self._limits.eos_ids)
+        return GrammarState(compiled, info)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        self.validate(prompt, params)
+        """Queue a request that passed `validate` (its caller's way in: LLM, AsyncEngine, EngineProcess)."""
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already running")
         dvr = params.deterministic and self.config.mode == Mode.DVR
@@ -176,8 +125,7 @@ class EngineCore:
 
     def add_replay(self, replay_id: str, prompt: list[int], tokens: list[int], params: SamplingParams,
                    windows: list[tuple[int, int]]) -> Sequence:
-        """Teacher-forced re-execution of recorded windows (shape checked by the caller)."""
-        self.validate(prompt, params)
+        """Teacher-forced re-execution of recorded windows (checked by the caller: engine.replay.validate_replays)."""
         assert params.seed is not None, "a replay needs the recorded seed"
         seq = Sequence(replay_id, list(prompt), params, params.seed, SeqKind.REPLAY, self._next_arrival(),
                        tokens=list(tokens), windows=list(windows), replay=ReplayState(),
