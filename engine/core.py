@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from engine.parallel import TensorParallel
 
 Detokenize = Callable[[list[int]], str]
+LaunchedDecode = tuple[list[Sequence], PendingSamples, bool]
+"""A decode step's rows, their samples (launched) and whether they may stay in flight: what `_hold` takes."""
 
 
 @dataclass
@@ -325,7 +327,7 @@ class EngineCore:
 
     def _settle_behind_verify(self, prev: InflightDecode | None, chain: VerifyChain, carried: list[Sequence],
                               carried_logits: torch.Tensor | None
-                              ) -> tuple[list[Sequence], tuple[list[Sequence], PendingSamples, bool] | None]:
+                              ) -> tuple[list[Sequence], LaunchedDecode | None]:
         """With the verify pass launched: launch the carried rows' samples and read the step in flight, if any
         (first where a processed carried row needs its prefix, else after the launch), then write its tokens
         into the windows that took them on the device. Returns the rows the read touched and the carried
@@ -347,13 +349,13 @@ class EngineCore:
         return touched, launched
 
     def _sample_verify(self, plan: Plan, logits: torch.Tensor, starts: list[int],
-                       carried: tuple[list[Sequence], PendingSamples, bool] | None
+                       carried: LaunchedDecode | None
                        ) -> tuple[list[SampleResult], list[Sequence] | None]:
         """Sample every window position of the pass (logits [G * W, vocab], sampled where they lie, device or
         host; row r's outputs from starts[r]). Early decode: where they can be launched on the device, the
         carried step is held and the next decode step (chained from its in-flight samples) queued before
-        they are read, so the GPU does not idle while the host applies them; then it returns the rows that
-        touched (else None: the carried step is still to be held)."""
+        they are read, so the GPU does not idle while the host applies them, and the rows those steps touched
+        come back with the samples (else None: the carried step is still to be held)."""
         ids: list[int] = []
         specs: list[tuple[SamplingParams, int, int]] = []
         slots: list[tuple[Sequence, int]] = []
