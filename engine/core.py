@@ -11,6 +11,10 @@ consecutive decode steps. Any other step (prefill, verify, preemption) first rea
 
     step N:    launch decode N ......................................... (GPU runs N)
     step N+1:  plan N+1 | launch N+1 (ids <- tokens of N) | read N, commit  (GPU runs N+1)
+
+A verify pass: launch (with the decode step it carries), settle (read the step in flight), sample, apply
+(`_verify`). The in-flight steps and their chained inputs are engine/inflight.py; applying a pass's windows,
+rollbacks and KV truncation, engine/apply.py; a request's check before it is queued, engine/limits.py.
 """
 from __future__ import annotations
 
