@@ -25,7 +25,8 @@ import torch
 from engine import progress
 from engine.config import EngineConfig
 from engine.core import EngineCore, EngineStats
-from engine.fingerprint import runtime_fingerprint, system_fingerprint
+from engine.fingerprint import runtime_fingerprint
+from engine.identity import Fingerprinted
 from engine.llm import detokenizer
 from engine.loading import load_model
 from engine.model_runner import LoadedModel
@@ -57,7 +58,7 @@ class _ReplayJob:
     reported: int = -1
 
 
-class AsyncEngine:
+class AsyncEngine(Fingerprinted):
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None) -> None:
         """Loads the model (blocking: call it off the event loop)."""
         self.config = config or EngineConfig()
@@ -104,14 +105,9 @@ class AsyncEngine:
             self._thread = None
         await asyncio.to_thread(self.core.close)
 
-    # ---- identity ----------------------------------------------------------------------------
-    def runtime_fingerprint(self) -> dict[str, str | int]:
-        return dict(self._fingerprint)
-
-    def system_fingerprint(self) -> str:
-        return system_fingerprint(self._fingerprint)
-
+    # ---- validation, stats ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming the field and the limit; nothing is queued (engine.limits.validate_request)."""
         self.core.validate(prompt_token_ids, params)
 
     def stats(self) -> EngineStats:
@@ -153,7 +149,7 @@ class AsyncEngine:
                      on_progress: ReplayProgress | None = None) -> list[ReplayResult]:
         """Teacher-forced re-execution of recorded windows; replays share G x W verify passes.
         on_progress hears the replayed token count after every engine step that advanced it."""
-        validate_replays(self.core, requests)
+        validate_replays(self.core.limits(), self.tokenizer, requests)
         if not requests:
             return []
         loop = asyncio.get_running_loop()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from engine.config import RESERVED_BLOCKS
+RESERVED_BLOCKS = 2  # the zero block and the scratch block (engine.config.ZERO_BLOCK, SCRATCH_BLOCK)
 
 
 class OutOfBlocks(RuntimeError):

@@ -11,10 +11,13 @@ consecutive decode steps. Any other step (prefill, verify, preemption) first rea
 
     step N:    launch decode N ......................................... (GPU runs N)
     step N+1:  plan N+1 | launch N+1 (ids <- tokens of N) | read N, commit  (GPU runs N+1)
+
+A verify pass: launch (with the decode step it carries), settle (read the step in flight), sample, apply
+(`_verify`). The in-flight steps and their chained inputs are engine/inflight.py; applying a pass's windows,
+rollbacks and KV truncation, engine/apply.py; a request's check before it is queued, engine/limits.py.
 """
 from __future__ import annotations
 
-import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -23,15 +26,18 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.apply import apply_pass, release_kv
 from engine.config import EngineConfig, Mode
-from engine.grammar import GrammarError, GrammarState, TokenizerInfo, compile_grammar, tokenizer_info
+from engine.grammar import GrammarState, compile_request_grammar
+from engine.inflight import (InflightDecode, InflightPrefill, VerifyChain, decode_chain, needs_prefix, settle_decode,
+                             settle_prefill)
+from engine.limits import RequestLimits, validate_request
 from engine.model_runner import DUMMY_TOKEN, ModelRunner, ModelShape, PagedModel, Row
 from engine.noise import splitmix64
 from engine.processors import Slot, apply_processors
 from engine.sampling import PendingSamples, SampleResult, SamplingParams, sample_rows, sample_rows_deferred
-from engine.scheduler import Plan, PrefillItem, Scheduler, StepKind, candidate_done, seq_key
+from engine.scheduler import Plan, Scheduler, StepKind, candidate_done, seq_key
 from engine.sequence import FinishReason, ReplayState, RequestOutput, Sequence, SeqKind, SeqStatus
-from engine.verifier import RowKind, VerifyRow, apply_dvr, apply_teacher, fill_inflight_input, window_applies
 
 if TYPE_CHECKING:
     import torch
@@ -39,6 +45,8 @@ if TYPE_CHECKING:
     from engine.parallel import TensorParallel
 
 Detokenize = Callable[[list[int]], str]
+LaunchedDecode = tuple[list[Sequence], PendingSamples, bool]
+"""A decode step's rows, their samples (launched) and whether they may stay in flight: what `_hold` takes."""
 
 
 @dataclass
@@ -60,61 +68,6 @@ class EngineStats:
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
 
 
-@dataclass
-class InflightDecode:
-    """A launched decode step whose samples have not been applied to its sequences yet."""
-
-    seqs: list[Sequence]
-    samples: PendingSamples
-    row_of: dict[str, int]   # seq key -> its row in this step (the next step's input ids come from there)
-
-
-@dataclass
-class InflightPrefill:
-    """A launched prefill pass whose first-token samples have not been applied yet (engine overlap)."""
-
-    items: list[PrefillItem]   # the pass's rows that sample, in the samples' order
-    samples: PendingSamples
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The engine's limits on one request, checked before anything is queued (also by a serving process
-    that holds no engine: engine/engine_process.py)."""
-
-    vocab_size: int
-    max_model_len: int
-    max_num_batched_tokens: int
-    kv_slots: int
-    window: int
-
-    def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit."""
-        if not prompt:
-            raise ValueError("prompt: must contain at least 1 token, got an empty prompt")
-        params.validate()
-        if params.top_k > self.vocab_size:
-            raise ValueError(f"top_k: must be <= the vocabulary size {self.vocab_size} (0 = off), "
-                             f"got {params.top_k}")
-        over = [t for t, _ in params.logit_bias if t >= self.vocab_size]
-        if over:
-            raise ValueError(f"SamplingParams.logit_bias: token ids must be < the vocabulary size "
-                             f"{self.vocab_size}, got {over[:5]}")
-        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt_token_ids: ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        total = len(prompt) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"max_tokens: prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
-                             f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        if len(prompt) > self.max_num_batched_tokens:
-            raise ValueError(f"prompt: {len(prompt)} tokens exceed max_num_batched_tokens "
-                             f"({self.max_num_batched_tokens})")
-        if total + self.window > self.kv_slots:
-            raise ValueError(f"max_tokens: prompt + max_tokens + W = {total + self.window} exceeds the "
-                             f"KV budget of {self.kv_slots} token slots (num_kv_blocks)")
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig, model: PagedModel, shape: ModelShape, eos_ids: set[int],
                  detokenize: Detokenize | None = None, tokenizer: Any = None,
@@ -130,7 +83,6 @@ class EngineCore:
         self.eos_ids = set(eos_ids)
         self.detokenize = detokenize
         self.tokenizer = tokenizer
-        self._grammar_info: TokenizerInfo | None = None
         if tp is None:
             self.runner = ModelRunner(config, model, shape, config.torch_dtype, config.torch_device)
         else:
@@ -147,41 +99,28 @@ class EngineCore:
         self._arrivals = 0
         self._inflight: InflightDecode | None = None
         self._inflight_prefill: InflightPrefill | None = None
+        self._limits = RequestLimits(shape.vocab_size, self.max_model_len, config.max_num_batched_tokens,
+                                     self.scheduler.blocks.num_usable * config.block_size, config.window,
+                                     config.group, tuple(sorted(self.eos_ids)))
 
     # ---- requests ----------------------------------------------------------------------------
     def limits(self) -> RequestLimits:
         """What a request must fit; constant once the engine is built."""
-        return RequestLimits(self.shape.vocab_size, self.max_model_len, self.config.max_num_batched_tokens,
-                             self.scheduler.blocks.num_usable * self.config.block_size, self.config.window)
+        return self._limits
 
     def validate(self, prompt: list[int], params: SamplingParams) -> None:
-        """Raise ValueError naming the field and the limit; nothing is queued."""
-        self.limits().validate(prompt, params)
-        if params.grammar is not None:
-            self.compiled_grammar(params)
-
-    def compiled_grammar(self, params: SamplingParams) -> Any:
-        """The request's grammar compiled for this model's vocabulary (cached); ValueError naming `grammar`."""
-        assert params.grammar is not None
-        if self.tokenizer is None or not self.eos_ids:
-            raise ValueError("SamplingParams.grammar: constrained decoding needs the model's tokenizer and EOS ids "
-                             "(a completed grammar allows only EOS); this engine has none")
-        if self._grammar_info is None:
-            self._grammar_info = tokenizer_info(self.tokenizer, self.shape.vocab_size, sorted(self.eos_ids))
-        try:
-            return compile_grammar(params.grammar, self._grammar_info)
-        except GrammarError as exc:
-            raise GrammarError(f"SamplingParams.{exc}") from None
+        """Raise ValueError naming the field and the limit; nothing is queued (engine.limits.validate_request)."""
+        validate_request(self._limits, self.tokenizer, prompt, params)
 
     def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
         if params.grammar is None:
             return None
-        compiled = self.compiled_grammar(params)
-        assert self._grammar_info is not None
-        return GrammarState(compiled, self._grammar_info)
+        compiled, info = compile_request_grammar(params.grammar, self.tokenizer, self._limits.vocab_size,
+                                                 self._limits.eos_ids)
+        return GrammarState(compiled, info)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
-        self.validate(prompt, params)
+        """Queue a request that passed `validate` (its caller's way in: LLM, AsyncEngine, EngineProcess)."""
         if request_id in self.seqs:
             raise ValueError(f"request_id: {request_id!r} is already running")
         dvr = params.deterministic and self.config.mode == Mode.DVR
@@ -192,8 +131,7 @@ class EngineCore:
 
     def add_replay(self, replay_id: str, prompt: list[int], tokens: list[int], params: SamplingParams,
                    windows: list[tuple[int, int]]) -> Sequence:
-        """Teacher-forced re-execution of recorded windows (shape checked by the caller)."""
-        self.validate(prompt, params)
+        """Teacher-forced re-execution of recorded windows (checked by the caller: engine.replay.validate_replays)."""
         assert params.seed is not None, "a replay needs the recorded seed"
         seq = Sequence(replay_id, list(prompt), params, params.seed, SeqKind.REPLAY, self._next_arrival(),
                        tokens=list(tokens), windows=list(windows), replay=ReplayState(),
@@ -290,14 +228,7 @@ class EngineCore:
     def _settle_prefill(self) -> list[Sequence]:
         """Apply the in-flight prefill pass's first tokens (waits for them); rows aborted meanwhile drop theirs."""
         held, self._inflight_prefill = self._inflight_prefill, None
-        if held is None:
-            return []
-        touched = []
-        for it, res in zip(held.items, held.samples.results(), strict=True):
-            if it.seq.status == SeqStatus.RUNNING:
-                self._after_prefill(it.seq, res)
-                touched.append(it.seq)
-        return touched
+        return settle_prefill(held, self._after_prefill)
 
     def _after_prefill(self, seq: Sequence, res: SampleResult) -> None:
         if seq.kind == SeqKind.REPLAY:
@@ -320,15 +251,12 @@ class EngineCore:
         canonical = self.runner.canonical_decode  # False unless DVR mode with canonical decode
         rows = [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s),
                     canonical and s.kind != SeqKind.FAST) for s in plan.decode]
-        chain = None
-        if prev is not None:
-            dst = [j for j, s in enumerate(plan.decode) if s.inflight]
-            chain = (prev.samples.tokens, dst, [prev.row_of[plan.decode[j].key] for j in dst])
+        chain = decode_chain(prev, plan.decode)
         assert chain is not None or all(s.inflight == 0 for s in plan.decode), "an in-flight token with no step"
         logits = self.runner.decode(rows, chain=chain)  # [R, vocab]
         self.totals.decode_passes += 1
         # a processed row needs its whole prefix: read the step in flight first (the device runs this one)
-        touched = self._settle() if _needs_prefix(plan.decode) else []
+        touched = self._settle() if needs_prefix(plan.decode) else []
         pending, stays = self._launch_samples(plan.decode, logits)
         touched += self._settle()
         return touched + self._hold(plan.decode, pending, stays)
@@ -358,69 +286,80 @@ class EngineCore:
         append candidates (DVR rows). Rows that finished or were aborted meanwhile drop theirs, and so
         does a DVR row whose previous candidate is a stop token (it decoded one step past it)."""
         step, self._inflight = self._inflight, None
-        if step is None:
-            return []
-        touched = []
-        for seq, res in zip(step.seqs, step.samples.results()):
-            seq.inflight -= 1
-            if seq.status != SeqStatus.RUNNING:
-                continue
-            if seq.stale_inflight:  # decoded past candidates a verify pass rolled back: void
-                seq.stale_inflight -= 1
-                continue
-            if seq.kind == SeqKind.FAST:
-                self._commit(seq, res.token, res)
-                touched.append(seq)
-            elif seq.candidates and seq.params.is_stop_token(seq.candidates[-1], self.eos_ids):
-                seq.kv_len -= 1
-            else:
-                seq.candidates.append(self._maybe_fault(seq, res.token))
-                if seq.ready_since is None and candidate_done(seq, self.config.window, self.eos_ids):
-                    seq.ready_since = self.scheduler.step_index
-        return touched
+        return settle_decode(step, self._commit, self._add_candidate, self.eos_ids)
+
+    def _add_candidate(self, seq: Sequence, token: int) -> None:
+        """A DVR row's fast-path token (settled): its next candidate; the row is ready once its window is."""
+        seq.candidates.append(self._maybe_fault(seq, token))
+        if seq.ready_since is None and candidate_done(seq, self.config.window, self.eos_ids):
+            seq.ready_since = self.scheduler.step_index
 
     def _verify(self, plan: Plan) -> list[Sequence]:
-        """The verify pass, and the decode step it carries (`plan.decode`): the carried rows' samples are
-        launched first and stay in flight like a decode step's; the verify rows are sampled and applied.
-        With overlap and `verify_early_decode` (off by default), where the verify rows' samples can be
-        launched on the device (no top-k / top-p / top logprobs), the next decode step (`_early_decode`)
-        is launched before they are read, so the host applies them while the GPU runs that step.
+        """The verify pass, and the decode step it carries (`plan.decode`): launch, settle, sample, apply.
+
+        The carried rows' samples are launched first and stay in flight like a decode step's; the verify rows
+        are sampled and applied. With overlap and `verify_early_decode` (off by default), where the verify rows'
+        samples can be launched on the device (no top-k / top-p / top logprobs), the next decode step
+        (`_early_decode`) is launched before they are read, so the host applies them while the GPU runs that step.
         A chained pass (`Scheduler.chained_verify`) is planned with the decode step before it in flight: it is
         launched behind that step (carried rows whose last token is in flight, and windows that end at a token
         in flight, take it on the device), and that step is read only then, before the pass's samples are
         applied (the windows' inputs then get the values read)."""
         t0 = time.perf_counter()
         assert all(r.seq.kind != SeqKind.FAST for r in plan.verify), "a non-deterministic request in a verify pass"
-        carried = plan.decode
         prev = self._inflight
-        for seq in carried:
+        for seq in plan.decode:
             assert seq.inflight <= (prev is not None) and seq.kv_len == seq.num_tokens - 1, (seq.request_id, seq.kv_len)
-        chain = row_chain = None
-        inputs_inflight: list[VerifyRow] = []
-        if prev is not None:
-            dst = [j for j, s in enumerate(carried) if s.inflight]
-            chain = (prev.samples.tokens, dst, [prev.row_of[carried[j].key] for j in dst])
-            row_chain = [(i, prev.row_of[r.seq.key]) for i, r in enumerate(plan.verify) if r.inflight_input]
-            inputs_inflight = [plan.verify[i] for i, _ in row_chain]
+        chain = VerifyChain.of(prev, plan.decode, plan.verify)
         logits, starts, carried_logits = self.runner.verify(
             [Row(r.tokens, r.start_pos, self._table(r.seq)) for r in plan.verify],
-            [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in carried],
-            chain=chain, row_chain=row_chain)
+            [Row([DUMMY_TOKEN if s.inflight else s.last_token], s.kv_len, self._table(s)) for s in plan.decode],
+            chain=chain.decode, row_chain=chain.rows)
+        touched, carried = self._settle_behind_verify(prev, chain, plan.decode, carried_logits)
+        samples, early = self._sample_verify(plan, logits, starts, carried)
+        if early is not None:
+            touched += early
+            carried = None
+        rollbacks, recomputed = apply_pass(plan.verify, samples, self._commit)
+        release_kv(plan.verify, self.scheduler.blocks)
+        self.totals.rollbacks += rollbacks
+        self.totals.recomputed_tokens += recomputed
+        self.totals.verify_passes += 1
+        self.totals.verify_seconds += time.perf_counter() - t0
+        touched += [r.seq for r in plan.verify]
+        return touched + (self._hold(*carried) if carried is not None else [])
+
+    def _settle_behind_verify(self, prev: InflightDecode | None, chain: VerifyChain, carried: list[Sequence],
+                              carried_logits: torch.Tensor | None
+                              ) -> tuple[list[Sequence], LaunchedDecode | None]:
+        """With the verify pass launched: launch the carried rows' samples and read the step in flight, if any
+        (first where a processed carried row needs its prefix, else after the launch), then write its tokens
+        into the windows that took them on the device. Returns the rows the read touched and the carried
+        step's samples, to be held in flight (`_hold`) once the pass is sampled."""
         touched: list[Sequence] = []
-        read_first = prev is not None and _needs_prefix(carried)  # a processed carried row needs its prefix
+        read_first = prev is not None and needs_prefix(carried)  # a processed carried row needs its prefix
         if read_first:
             touched += self._settle()
+        launched = None
         if carried:
             assert carried_logits is not None
-            pending, stays = self._launch_samples(carried, carried_logits)
+            launched = (carried, *self._launch_samples(carried, carried_logits))
             self.totals.carried_decode_rows += len(carried)
         if prev is not None:
             self.totals.chained_verify_passes += 1
             if not read_first:
                 touched += self._settle()  # the step before the pass: its tokens are read now, applied first
-            for row in inputs_inflight:
-                fill_inflight_input(row)
-        flat = logits  # [G * W, vocab]; sampled where it lies (device or host)
+            chain.fill_inputs()
+        return touched, launched
+
+    def _sample_verify(self, plan: Plan, logits: torch.Tensor, starts: list[int],
+                       carried: LaunchedDecode | None
+                       ) -> tuple[list[SampleResult], list[Sequence] | None]:
+        """Sample every window position of the pass (logits [G * W, vocab], sampled where they lie, device or
+        host; row r's outputs from starts[r]). Early decode: where they can be launched on the device, the
+        carried step is held and the next decode step (chained from its in-flight samples) queued before
+        they are read, so the GPU does not idle while the host applies them, and the rows those steps touched
+        come back with the samples (else None: the carried step is still to be held)."""
         ids: list[int] = []
         specs: list[tuple[SamplingParams, int, int]] = []
         slots: list[tuple[Sequence, int]] = []
@@ -428,46 +367,14 @@ class EngineCore:
             ids += range(first, first + row.num_outputs)
             specs += [(row.seq.params, row.seq.seed, row.start_pos + 1 + i) for i in range(row.num_outputs)]
             slots += [(row.seq, row.start_pos + 1 + i - row.seq.prompt_len) for i in range(row.num_outputs)]
-        self._process(flat, slots, ids)  # each window position from its prefix: committed, then candidates
+        self._process(logits, slots, ids)  # each window position from its prefix: committed, then candidates
         early = self.config.tuning.overlap and self.config.tuning.verify_early_decode
-        launched = sample_rows_deferred(flat, specs, ids) if early else None
-        if launched is not None:
-            # the verify samples are launched: queue the next decode step (chained from the carried rows'
-            # in-flight samples) before reading them, so the GPU does not idle while the host applies them
-            if carried:
-                touched += self._hold(carried, pending, stays)
-                carried = []
-            touched += self._early_decode(plan)
-            flat_samples = launched.results()
-        else:
-            flat_samples = sample_rows(flat, specs, ids)
-        at = 0
-        for row in plan.verify:
-            seq = row.seq
-            n = row.num_outputs
-            samples, at = flat_samples[at:at + n], at + n
-            if row.kind == RowKind.TEACHER:
-                apply_teacher(row, samples)
-            elif row.index and not window_applies(row):
-                continue  # a later window of a row whose earlier window in this pass rolled back or finished it
-            else:
-                rollbacks, recomputed = seq.rollbacks, seq.recomputed_tokens
-                apply_dvr(row, samples, self._commit)
-                self.totals.rollbacks += seq.rollbacks - rollbacks
-                self.totals.recomputed_tokens += seq.recomputed_tokens - recomputed
-            seq.ready_since = None
-        # free the KV past what is kept only now: a later window of the same row in this pass wrote its
-        # canonical K/V past the earlier window's kv_len, and applying it keeps those positions
-        for seq in dict.fromkeys(r.seq for r in plan.verify if r.kind == RowKind.DVR):
-            if seq.inflight and seq.kv_len != seq.num_tokens - 1:
-                # an early step decoded past run-ahead candidates that this pass rolled back: void token
-                # (apply_dvr reset kv_len without its slot); the settle drops it
-                seq.stale_inflight = seq.inflight
-            self.scheduler.blocks.truncate(seq_key(seq), seq.kv_len)
-        self.totals.verify_passes += 1
-        self.totals.verify_seconds += time.perf_counter() - t0
-        touched += [r.seq for r in plan.verify]
-        return touched + (self._hold(carried, pending, stays) if carried else [])
+        launched = sample_rows_deferred(logits, specs, ids) if early else None
+        if launched is None:
+            return sample_rows(logits, specs, ids), None
+        touched = self._hold(*carried) if carried is not None else []
+        touched += self._early_decode(plan)
+        return launched.results(), touched
 
     def _early_decode(self, verify: Plan) -> list[Sequence]:
         """The decode step after a verify pass, planned and launched before the pass's samples are read:
@@ -587,11 +494,6 @@ def stop_cut(text: str, stops: list[str]) -> str:
     """The text up to the first stop string (the engine finishes a request there; its text ends before it)."""
     cut = _stop_at(text, stops)
     return text if cut is None else text[:cut]
-
-
-def _needs_prefix(seqs: list[Sequence]) -> bool:
-    """Some row of a step is processed and its previous token is still in flight (its prefix is not known)."""
-    return any(s.params.processed and s.inflight for s in seqs)
 
 
 def _stop_at(text: str, stops: list[str]) -> int | None:

@@ -37,9 +37,10 @@ from typing import Any
 
 from engine.async_engine import ReplayProgress, latest
 from engine.config import EngineConfig
-from engine.core import EngineStats, RequestLimits, stop_cut
-from engine.fingerprint import system_fingerprint
-from engine.replay import ReplayRequest, ReplayResult, check_replay
+from engine.core import EngineStats, stop_cut
+from engine.identity import Fingerprinted
+from engine.limits import RequestLimits, validate_request
+from engine.replay import ReplayRequest, ReplayResult, validate_replays
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -107,7 +108,7 @@ class _ReplayJob:
     on_progress: ReplayProgress | None
 
 
-class EngineProcess:
+class EngineProcess(Fingerprinted):
     """The engine in a spawned process; the same public interface as AsyncEngine."""
 
     def __init__(self, config: EngineConfig | None = None, *, loader: Loader | None = None,
@@ -136,7 +137,6 @@ class EngineProcess:
         from engine.llm import detokenizer
 
         self._detokenize = detokenizer(self.tokenizer)
-        self._grammar_info: Any = None
         self._send_lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._last: OrderedDict[str, RequestOutput] = OrderedDict()
@@ -190,29 +190,10 @@ class EngineProcess:
     def alive(self) -> bool:
         return self._dead is None and self._proc.is_alive()
 
-    # ---- identity ----------------------------------------------------------------------------
-    def runtime_fingerprint(self) -> dict[str, str | int]:
-        return dict(self._fingerprint)
-
-    def system_fingerprint(self) -> str:
-        return system_fingerprint(self._fingerprint)
-
+    # ---- validation, stats ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
-        """The engine's checks, here: the limits, and the grammar compiled as the engine compiles it."""
-        self._limits.validate(prompt_token_ids, params)
-        if params.grammar is not None:
-            from engine.grammar import GrammarError, compile_grammar, tokenizer_info
-
-            eos = sorted(getattr(self.model_info, "eos_token_ids", ()) or ())
-            if self.tokenizer is None or not eos:
-                raise ValueError("SamplingParams.grammar: constrained decoding needs the model's tokenizer and EOS "
-                                 "ids (a completed grammar allows only EOS); this engine has none")
-            if self._grammar_info is None:
-                self._grammar_info = tokenizer_info(self.tokenizer, self._limits.vocab_size, eos)
-            try:
-                compile_grammar(params.grammar, self._grammar_info)
-            except GrammarError as exc:
-                raise GrammarError(f"SamplingParams.{exc}") from None
+        """The engine's check, here, with the engine's limits (engine.limits.validate_request); nothing is sent."""
+        validate_request(self._limits, self.tokenizer, prompt_token_ids, params)
 
     def stats(self) -> EngineStats:
         return self._stats
@@ -262,10 +243,7 @@ class EngineProcess:
     async def replay(self, requests: list[ReplayRequest],
                      on_progress: ReplayProgress | None = None) -> list[ReplayResult]:
         """Teacher-forced re-execution of recorded windows in the engine process (see AsyncEngine.replay)."""
-        group, window = self._window_shape
-        for req in requests:
-            check_replay(req, group, window)
-            self._limits.validate(req.prompt_token_ids, req.params)
+        validate_replays(self._limits, self.tokenizer, requests)
         if not requests:
             return []
         self._check_alive()

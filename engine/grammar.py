@@ -13,8 +13,10 @@ Outside a segment any text is allowed; once the text reaches a trigger, one of t
 with it must follow: `begin`, a JSON value valid under its schema, then `end`.
 
 `compile_grammar(spec, tokenizer_info)` compiles a spec against a vocabulary (GrammarError, a ValueError whose
-message names the problem, when it cannot); `validate_grammar(spec, tokenizer)` does the same for a Hugging
-Face tokenizer, for callers that want the error before anything is queued.
+message names the problem, when it cannot); `compile_request_grammar(spec, tokenizer, vocab_size, stop_ids)`
+compiles a request's grammar for the engine's model (request validation and the engine use it);
+`validate_grammar(spec, tokenizer)` checks a spec for a Hugging Face tokenizer, for callers that want the error
+before anything is queued.
 
 The library is xgrammar (chosen by bench/grammar_bench.py: per-token masks 4-5x faster than llguidance's on
 SmolLM2's vocabulary; docs/decisions.md). JSON is compiled strict (no properties outside the schema) with
@@ -171,6 +173,22 @@ def _library_message(exc: BaseException) -> str:
     if sep and head.startswith("["):
         text = rest.split(": ", 1)[-1]
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def compile_request_grammar(spec: GrammarSpec, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int]
+                            ) -> tuple[Any, TokenizerInfo]:
+    """A request's grammar compiled for the engine's model (its Hugging Face `tokenizer`, padded to `vocab_size`,
+    its stop ids), with the vocabulary it was compiled for; both cached (per vocabulary, per grammar). Raises
+    ValueError naming `SamplingParams.grammar` when the engine has no tokenizer or stop ids, GrammarError when
+    the grammar does not compile."""
+    if tokenizer is None or not stop_token_ids:
+        raise ValueError("SamplingParams.grammar: constrained decoding needs the model's tokenizer and EOS ids "
+                         "(a completed grammar allows only EOS); this engine has none")
+    info = tokenizer_info(tokenizer, vocab_size, sorted(stop_token_ids))
+    try:
+        return compile_grammar(spec, info), info
+    except GrammarError as exc:
+        raise GrammarError(f"SamplingParams.{exc}") from None
 
 
 def validate_grammar(spec: GrammarSpec, tokenizer: Any) -> None:

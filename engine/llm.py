@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.core import EngineCore
 from engine.loading import load_model
 from engine.model_runner import ModelShape, PagedModel
-from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results
+from engine.replay import ReplayRequest, ReplayResult, add_replays, replay_results, validate_replays
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 
@@ -93,6 +93,7 @@ class LLM:
 
     def replay(self, requests: list[ReplayRequest]) -> list[ReplayResult]:
         """Re-execute recorded windows teacher-forced, all replays sharing G x W verify passes."""
+        validate_replays(self.core.limits(), self.core.tokenizer, requests)
         seqs = add_replays(self.core, requests)
         while any(not s.is_finished for s in seqs):
             self.core.step()

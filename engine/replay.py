@@ -7,8 +7,9 @@ the recorded tokens: the first divergent output index is the mismatch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from engine.limits import RequestLimits, validate_request
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 
@@ -58,15 +59,16 @@ def check_replay(req: ReplayRequest, group: int, window: int) -> None:
         raise ValueError(f"windows: cover [1, {expect}) but the record has {len(req.token_ids)} tokens")
 
 
-def validate_replays(core: EngineCore, requests: list[ReplayRequest]) -> None:
-    """ValueError for the first record this engine cannot replay; call before queueing any."""
+def validate_replays(limits: RequestLimits, tokenizer: Any, requests: list[ReplayRequest]) -> None:
+    """ValueError for the first record an engine of these limits cannot replay (`check_replay` against its
+    verify shape, then the request check, `validate_request`); call before queueing any."""
     for req in requests:
-        check_replay(req, core.config.group, core.config.window)
-        core.validate(req.prompt_token_ids, req.params)
+        check_replay(req, limits.group, limits.window)
+        validate_request(limits, tokenizer, req.prompt_token_ids, req.params)
 
 
 def add_replays(core: EngineCore, requests: list[ReplayRequest]) -> list[Sequence]:
-    validate_replays(core, requests)
+    """Queue records that passed `validate_replays`."""
     return [core.add_replay(r.replay_id, r.prompt_token_ids, r.token_ids, r.params, r.windows)
             for r in requests]
 

@@ -21,11 +21,14 @@ import itertools
 import math
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from engine.block_manager import BlockManager, OutOfBlocks
-from engine.config import EngineConfig, VerifyPacking, VerifyTrigger
 from engine.sequence import Sequence, SeqKind, SeqStatus
 from engine.verifier import VerifyRow, dvr_row, teacher_row
+
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
 
 
 class StepKind(enum.Enum):
@@ -264,7 +267,7 @@ class Scheduler:
             return True
         config = self.config
         w, cap, budget = config.window, config.tuning.verify_max_windows, config.group * config.window
-        if config.tuning.verify_trigger == VerifyTrigger.WINDOWS:  # >= G windows, whatever their length (padded)
+        if config.tuning.verify_trigger == "windows":  # >= G windows, whatever their length (padded)
             cap, budget = config.group, math.inf
         windows = tokens = 0
         moving = set(decodable)
@@ -289,7 +292,7 @@ class Scheduler:
             sizes = [end - start] if limit > 0 else []
         else:
             sizes = dvr_window_sizes(seq, w, self.eos_ids, limit, known_only, partial)
-        return sizes if self.config.tuning.verify_packing == VerifyPacking.PACKED else [w] * len(sizes)
+        return sizes if self.config.tuning.verify_packing == "packed" else [w] * len(sizes)
 
     def _pick_windows(self, rows: list[Sequence], known_only: bool = False, partial: bool = False
                       ) -> tuple[list[tuple[Sequence, int]], int]:

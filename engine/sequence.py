@@ -14,9 +14,11 @@ from __future__ import annotations
 import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from engine.grammar import GrammarState
-from engine.sampling import SamplingParams
+if TYPE_CHECKING:
+    from engine.grammar import GrammarState
+    from engine.sampling import SamplingParams
 
 
 class SeqStatus(enum.Enum):

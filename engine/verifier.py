@@ -19,12 +19,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.sampling import SampleResult
 from engine.sequence import FinishReason, Sequence, SeqKind, SeqStatus
 
+if TYPE_CHECKING:
+    from engine.sampling import SampleResult
 
-CommitFn = Callable[[Sequence, int, SampleResult], bool]
+
+CommitFn = Callable[[Sequence, int, "SampleResult"], bool]
 """commit(seq, token, sample) -> finished; finish conditions are judged on committed tokens only."""
 
 
@@ -62,7 +65,7 @@ def dvr_row(seq: Sequence, window: int, index: int = 0, inflight: bool = False) 
     `inflight` (a chained verify pass, planned before the decode step before it is read): the row's token
     in flight counts as its next candidate; where a window ends at it, its input is INFLIGHT_INPUT
     (`VerifyRow.inflight_input`) and the engine takes the id from the device, then writes the value in once
-    it is read (`fill_inflight_input`)."""
+    it is read (`engine.inflight.fill_inflight_input`)."""
     s = len(seq.tokens)
     assert seq.inflight <= 1, (seq.request_id, seq.inflight)
     known = len(seq.candidates)
@@ -80,15 +83,6 @@ def dvr_row(seq: Sequence, window: int, index: int = 0, inflight: bool = False) 
     assert k >= 1, (seq.request_id, index, known)
     return VerifyRow(seq, RowKind.DVR, cands[first - 1: first + k], seq.prompt_len + s - 1 + first, None, index,
                      inflight_input=first + k > known)
-
-
-def fill_inflight_input(row: VerifyRow) -> None:
-    """Once the token in flight is read (a candidate now), write it into the row's last input (the pass already
-    took it from the device), so that applying the row compares against what the pass ran."""
-    seq, known = row.seq, len(row.seq.candidates)
-    last = row.start_pos + len(row.tokens) - 1 - (seq.prompt_len + len(seq.tokens))  # its 0-based candidate index
-    assert row.inflight_input and last < known, ("a pass input in flight was not read as a candidate", seq.request_id)
-    row.tokens[-1] = seq.candidates[last]
 
 
 def window_applies(row: VerifyRow) -> bool:

@@ -148,3 +148,13 @@ def test_every_module_imports_alone(package: str) -> None:
             "print(bad)\nsys.exit(1 if bad else 0)\n")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_the_pure_python_core_imports_without_torch() -> None:
+    """The scheduler, verifier, sequence and block manager are plain Python (tensors live at the rim: model
+    runner, sampler, processors): importing them in a fresh interpreter loads no torch."""
+    code = ("import sys\n"
+            "import engine.scheduler, engine.verifier, engine.sequence, engine.block_manager\n"
+            "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.split('.')[0] == 'engine')\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -110,3 +110,20 @@ def make_mock_llm() -> Callable[..., Any]:
         return LLM.from_parts(EngineConfig.from_options(cfg), model, model.shape, {1})
 
     return make
+
+
+# --- serving engines (engine/async_engine.py, engine/engine_process.py) --------------------------
+import asyncio  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def mock_engine_process() -> Iterator[Any]:
+    """One EngineProcess on the mock model (tests.engine.serving_cases), shared: starting one takes seconds."""
+    from engine.config import EngineConfig
+    from engine.engine_process import EngineProcess
+    from tests.engine.serving_cases import SERVING_CFG, mock_loaded
+
+    engine = EngineProcess(EngineConfig.from_options(SERVING_CFG), loader=mock_loaded, start_timeout_s=300)
+    yield engine
+    asyncio.run(engine.shutdown())

@@ -5,10 +5,15 @@ import random
 
 import pytest
 
-from engine.block_manager import BlockManager, OutOfBlocks
-from engine.config import RESERVED_BLOCKS
+from engine import config
+from engine.block_manager import RESERVED_BLOCKS, BlockManager, OutOfBlocks
 from engine.sampling import SamplingParams
 from engine.scheduler import seq_key
+
+
+def test_the_reserved_blocks_agree_with_the_config() -> None:
+    """The model runner sizes the KV cache with the config's count, the block manager hands out the rest."""
+    assert RESERVED_BLOCKS == config.RESERVED_BLOCKS == max(config.ZERO_BLOCK, config.SCRATCH_BLOCK) + 1
 
 
 @pytest.mark.parametrize("seed", range(5))

@@ -71,7 +71,7 @@ def test_resolved_cuda_defaults() -> None:
         canonical_prefill_min_tokens=2048, dvr_decode_attention="canonical_step_short", dvr_lookahead=7 * 32,
         overlap=True, verify_early_decode=True, chained_verify=True, decode_cublaslt_min_rows=32,
         verify_decode_rows=64, verify_packing="packed", verify_max_windows=16, verify_trigger="tokens",
-        verify_cadence_steps=12, verify_cadence_max_rows=8)
+        verify_cadence_steps=8, verify_cadence_max_rows=8)
     with pytest.raises(ValueError, match=r"EngineConfig\.num_kv_blocks: .*free_kv_blocks"):
         EngineConfig().resolve("cuda", model_max_len=CONTEXT)
     with pytest.raises(ValueError, match=r"EngineConfig\.max_model_len: .*model_max_len"):

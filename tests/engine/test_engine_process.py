@@ -1,13 +1,13 @@
-"""EngineProcess: the engine in a spawned process behind AsyncEngine's interface. Streams, abort, replay,
-rejection and a dead engine process on the mock model; the real SmolLM2's bits equal the in-process
-engine's."""
+"""EngineProcess: the engine in a spawned process behind AsyncEngine's interface. On the mock model: its
+fingerprint, clients whose event loops closed, a model that cannot load, a dead engine process; the real
+SmolLM2's bits equal the in-process engine's. Streams, abort and replay of both serving engines:
+test_serving_engines.py."""
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import os
 import signal
-from types import SimpleNamespace
 
 import pytest
 
@@ -15,92 +15,33 @@ from engine.async_engine import AsyncEngine
 from engine.config import EngineConfig
 from engine.engine_process import EngineProcess
 from engine.grammar import GrammarSpec
-from engine.llm import LLM
 from engine.model_runner import LoadedModel
 from engine.sampling import SamplingParams
-from tests.engine.dvr_cases import REAL_TEXTS, assert_same, det_workload, replay_requests
-from tests.engine.mock_model import MockModel
+from tests.engine.dvr_cases import REAL_TEXTS, assert_same
+from tests.engine.serving_cases import SERVING_CFG, mock_loaded
 
-CFG = dict(window=8, group=4, num_kv_blocks=64, num_threads=1)
-
-
-def mock_loaded(config: EngineConfig) -> LoadedModel:
-    """Run in the engine process: the mock model with EOS id 1."""
-    model = MockModel()
-    return LoadedModel(model, model.shape, None, SimpleNamespace(eos_token_ids=(1,), name="mock"))
+CFG = SERVING_CFG
 
 
 def failing_loader(config: EngineConfig) -> LoadedModel:
     raise FileNotFoundError("no weights at /nowhere")
 
 
-def _offline(prompts, params, **cfg):
-    model = MockModel()
-    llm = LLM.from_parts(EngineConfig.from_options({**CFG, **cfg}), model, model.shape, {1})
-    return llm.generate(prompts, params)
-
-
 async def _collect(engine, prompt, params, rid=None):
     return [o async for o in engine.generate(prompt, params, rid)]
 
 
-@pytest.fixture(scope="module")
-def mock_process():
-    engine = EngineProcess(EngineConfig.from_options(CFG), loader=mock_loaded, start_timeout_s=300)
-    yield engine
-    asyncio.run(engine.shutdown())
+def test_the_fingerprint_is_the_in_process_engines(mock_engine_process: EngineProcess) -> None:
+    local = AsyncEngine(EngineConfig.from_options(CFG), mock_loaded(EngineConfig.from_options(CFG)))
+    assert mock_engine_process.runtime_fingerprint() == local.runtime_fingerprint()
+    assert mock_engine_process.system_fingerprint() == local.system_fingerprint()
 
 
-async def test_streams_match_offline_and_in_process(mock_process: EngineProcess) -> None:
-    prompts, params = det_workload(8, 64, max_tokens=(10, 25), seed=2)
-    fast = [SamplingParams(max_tokens=18, temperature=0.9, seed=40 + i, ignore_eos=True) for i in range(4)]
-    streams = await asyncio.gather(*[_collect(mock_process, p, sp) for p, sp in zip(prompts, params)],
-                                   *[_collect(mock_process, prompts[i][::-1], sp) for i, sp in enumerate(fast)])
-    for s in streams:  # cumulative and growing; only the last is finished
-        lens = [len(o.token_ids) for o in s]
-        assert lens == sorted(set(lens))
-        assert s[-1].finished and not any(o.finished for o in s[:-1])
-    assert_same([s[-1] for s in streams[: len(prompts)]], _offline(prompts, params))
-    assert all(len(s[-1].token_ids) == 18 for s in streams[len(prompts):])
-    model = MockModel()
-    local = AsyncEngine(EngineConfig.from_options(CFG),
-                        LoadedModel(model, model.shape, None, SimpleNamespace(eos_token_ids=(1,))))
-    assert mock_process.runtime_fingerprint() == local.runtime_fingerprint()
-    assert mock_process.system_fingerprint() == local.system_fingerprint()
-    stats = mock_process.stats()
-    assert stats.verify_passes > 0 and stats.generated_tokens > 0
-
-
-async def test_abort_rejection_and_last_output(mock_process: EngineProcess) -> None:
-    params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True, deterministic=True)
-    agen = mock_process.generate([3, 4, 5], params, "victim")
-    first = await agen.__anext__()
-    out = await mock_process.abort("victim")
-    assert out is not None and out.finish_reason == "abort" and out.finished
-    assert out.token_ids[: len(first.token_ids)] == first.token_ids
-    rest = [o async for o in agen]
-    assert rest and rest[-1].finish_reason == "abort"
-    assert mock_process.last_output("victim").token_ids == out.token_ids
-    assert await mock_process.abort("no-such-request") is None
-    with pytest.raises(ValueError, match="max_tokens"):  # checked in the serving process, nothing sent
-        await anext(mock_process.generate([1] * 60, SamplingParams(max_tokens=10_000)))
-    with pytest.raises(ValueError, match="top_k"):
-        mock_process.validate([1, 2], SamplingParams(top_k=10_000))
-    gone = mock_process.generate([9, 10, 11], SamplingParams(max_tokens=300, ignore_eos=True), "gone")
-    await gone.__anext__()
-    await gone.aclose()  # the client went away: the engine process aborts it
-    for _ in range(300):
-        if mock_process.stats().running == 0:
-            break
-        await asyncio.sleep(0.01)
-    assert mock_process.stats().running == 0
-
-
-def test_streams_whose_event_loops_closed_do_not_stop_the_others(mock_process: EngineProcess) -> None:
+def test_streams_whose_event_loops_closed_do_not_stop_the_others(mock_engine_process: EngineProcess) -> None:
     """Clients that went away with their event loop (the engine process answers their aborts later) leave
     the reader serving the requests that follow."""
     async def leave(i: int) -> None:
-        agen = mock_process.generate([9, 10, 11 + i], SamplingParams(max_tokens=300, ignore_eos=True))
+        agen = mock_engine_process.generate([9, 10, 11 + i], SamplingParams(max_tokens=300, ignore_eos=True))
         await agen.__anext__()
         await agen.aclose()
 
@@ -108,25 +49,10 @@ def test_streams_whose_event_loops_closed_do_not_stop_the_others(mock_process: E
         asyncio.run(leave(i))
 
     async def finish() -> list:
-        return [o async for o in mock_process.generate([3, 4], SamplingParams(max_tokens=5, ignore_eos=True))]
+        return [o async for o in mock_engine_process.generate([3, 4], SamplingParams(max_tokens=5, ignore_eos=True))]
 
     outs = asyncio.run(asyncio.wait_for(finish(), 60))
     assert outs[-1].finished and len(outs[-1].token_ids) == 5
-
-
-async def test_replay_in_the_engine_process(mock_process: EngineProcess) -> None:
-    prompts, params = det_workload(6, 64, max_tokens=(10, 20), seed=3)
-    made = _offline(prompts, params)
-    seen: list[tuple[int, int]] = []
-    results = await mock_process.replay(replay_requests(prompts, params, made), lambda d, t: seen.append((d, t)))
-    assert [r.replay_id for r in results] == [f"rp{i}" for i in range(6)]
-    assert all(r.first_mismatch is None for r in results)
-    assert [r.token_logprobs for r in results] == [o.token_logprobs for o in made]
-    total = sum(len(o.token_ids) for o in made)
-    assert seen and seen[-1] == (total, total)
-    reqs = replay_requests(prompts, params, made)
-    with pytest.raises(ValueError, match="window_shape"):
-        await mock_process.replay([reqs[0].__class__(**{**reqs[0].__dict__, "window_shape": (8, 32)})])
 
 
 def test_a_model_that_cannot_load_is_an_error_at_start() -> None:

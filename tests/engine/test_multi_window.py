@@ -137,16 +137,16 @@ def test_a_rolled_back_window_drops_the_later_ones(make_mock_llm, workload, monk
     ref = make_mock_llm(decode_noise=0.0, dvr_lookahead=0).generate(prompts, params)
     llm = make_mock_llm(decode_noise=0.0, dvr_lookahead=(G - 1) * W, fault_rate=0.05, fault_seed=3,
                         verify_cadence_steps=0)
-    import engine.core as core_mod
+    import engine.apply as apply_mod
     skipped = {"n": 0}
-    original = core_mod.window_applies
+    original = apply_mod.window_applies
 
     def counting(row: Any) -> bool:
         ok = original(row)
         skipped["n"] += not ok
         return ok
 
-    monkeypatch.setattr(core_mod, "window_applies", counting)
+    monkeypatch.setattr(apply_mod, "window_applies", counting)
     out = llm.generate(prompts, params)
     assert_same(ref, out)
     assert skipped["n"] > 0 and sum(o.rollbacks for o in out) > 0
