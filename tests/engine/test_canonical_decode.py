@@ -241,13 +241,70 @@ def _patch_interpreter_dot() -> None:
     interpreter.InterpreterBuilder.create_dot = create_dot
 
 
+def patch_lang_once(original):  # noqa: ANN001, ANN201 (triton internals)
+    """Triton 3.6's interpreter patches triton.language (inspect.getmembers over each of its modules) on
+    every call of a @triton.jit helper inside a kernel, a fifth of an interpreted launch's time, and never
+    restores it; the launch around the call has already patched those modules with the same builder. The
+    returned `_patch_lang` skips a helper call's patching where the running launch (or an earlier helper
+    call of it) has patched its modules."""
+    import inspect
+
+    import triton.language as tl
+
+    launch: set[int] = set()
+
+    class _LaunchScope:
+        def __init__(self, scope) -> None:  # noqa: ANN001 (triton internals)
+            self.scope = scope
+
+        def restore(self) -> None:
+            launch.clear()
+            self.scope.restore()
+
+    class _Nothing:
+        def restore(self) -> None:
+            pass
+
+    def patch_lang(fn):  # noqa: ANN001, ANN202 (triton internals)
+        langs = {id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core)}
+        if launch and langs <= launch:
+            return _Nothing()
+        scope = original(fn)
+        first = not launch
+        launch.update(langs)
+        return _LaunchScope(scope) if first else scope
+
+    return patch_lang
+
+
+def patch_interpreter() -> None:
+    """The interpreter patches every TRITON_INTERPRET=1 check of these tests runs under."""
+    _patch_interpreter_index()
+    _patch_interpreter_dot()
+    from triton.runtime import interpreter
+
+    interpreter._patch_lang = patch_lang_once(interpreter._patch_lang)
+
+
+def packed_unchecked(dtype: torch.dtype, group: int, head_dim: int,
+                     settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
+    """The backend takes the packed canonical kernel on the CPU for these shapes without its per-device
+    check (`packed_matches_prefill`, half a minute of interpreted launches per key; `_interpreter_main`
+    asserts it for both dtypes at the 64-key chunk and both query tiles), so the caller's bitwise claims
+    hold of the packed kernel itself."""
+    from engine.attention import triton_canonical_decode as packed
+
+    packed._CHECKED[packed.check_key("cpu", dtype, group, head_dim, settings)] = True
+
+
 def _interpreter_main(part: str = "tiles") -> None:
     """Entry of the TRITON_INTERPRET=1 subprocess (tiny shapes: the interpreter runs numpy). Two parts, each
     its own subprocess and test: "tiles" (the default settings in both dtypes, the 64-row query tile and the
     prefill pass tile) and "chunks" (the packed kernel's 64-key chunks and their programs). A setting whose
-    check takes the interpreter long runs in one dtype; both dtypes run in every part."""
-    _patch_interpreter_index()
-    _patch_interpreter_dot()
+    check takes the interpreter long runs in one dtype; both dtypes run in every part. The packed kernel's
+    own check (`packed_matches_prefill`) is asserted for both dtypes of both tiles, the 64-row one in the
+    "tiles" part; the default settings' rows run the packed kernel without it."""
+    patch_interpreter()
     from engine.attention import triton_canonical_decode as packed
 
     # chunks of 64 keys (the real 256 would leave these tiny rows in one chunk)
@@ -256,18 +313,20 @@ def _interpreter_main(part: str = "tiles") -> None:
     lens, mask = [70, 9, 130, 200, 64, 65], [1, 1, 1, 0, 1, 1]
     if part == "tiles":
         for dtype in (torch.float32, torch.bfloat16):
+            packed_unchecked(dtype, 2, 16)
             # 2 query heads per KV head, 16-key blocks, 64-key splits: rows of 1, 2 and 3 splits / key tiles
             check_canonical_decode("cpu", dtype, (4, 2, 16, 16), [70, 9, 130, 40], [0, 1, 1, 0],
                                    split_size=64)
             check_prefill_pass_tile("cpu", dtype)
         check_canonical_decode("cpu", torch.float32, (6, 2, 16, 16), lens, mask, split_size=64, settings=tall)
+        for dtype in (torch.float32, torch.bfloat16):
+            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
     else:
         # the packed kernel's parallel chunks merged by their last program give the prefill kernel's serial merge
         check_canonical_decode("cpu", torch.bfloat16, (6, 2, 16, 16), lens, mask, split_size=64, settings=small)
         check_chunk_programs("cpu", torch.float32, small)
         for dtype in (torch.float32, torch.bfloat16):
             assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, small)
-            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
     print("interpreter ok")
 
 

@@ -75,10 +75,9 @@ def test_split_size_by_rows() -> None:
 
 
 def _interpreter_main() -> None:
-    from tests.engine.test_canonical_decode import _patch_interpreter_dot, _patch_interpreter_index
+    from tests.engine.test_canonical_decode import patch_interpreter
 
-    _patch_interpreter_index()
-    _patch_interpreter_dot()
+    patch_interpreter()
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
         # 64-key splits over rows of 1 key to 3 splits, and 128-key splits
         check_split_decode("cpu", dtype, (4, 2, 16, 16), [1, 70, 9, 130, 64, 65], (64, 128), tol)

@@ -66,8 +66,9 @@ def test_determinism_staggered_among_nondeterministic(make_real_llm, workload, r
 @pytest.mark.parametrize("rate", [0.05, 0.3, 1.0])
 def test_fault_injection_bitwise_equal(make_real_llm, workload, reference, rate) -> None:
     """A subset suffices: each request's output is its own pure function, so it must equal its entry in
-    the 16-request reference whatever else runs."""
-    n = 10 if rate < 1.0 else 6
+    the 16-request reference whatever else runs (at rate 1.0, where every window is one token, three
+    requests: greedy, top-p and greedy without ignore_eos)."""
+    n = 10 if rate < 1.0 else 3
     prompts, params = workload
     out = make_real_llm(fault_rate=rate, fault_seed=11, **SMALL).generate(prompts[:n], params[:n])
     assert_same(out, reference[:n])
@@ -79,13 +80,14 @@ def test_fault_injection_bitwise_equal(make_real_llm, workload, reference, rate)
 
 
 def test_window_starts_from_fault_seeds(make_real_llm, workload, reference) -> None:
+    """Two fault seeds on five requests: other windows, the reference's bits."""
     prompts, params = workload
-    prompts, params = prompts[:8], params[:8]
+    prompts, params = prompts[:5], params[:5]
     a = make_real_llm(fault_rate=0.3, fault_seed=1, **SMALL).generate(prompts, params)
     b = make_real_llm(fault_rate=0.3, fault_seed=2, **SMALL).generate(prompts, params)
     assert [o.windows for o in a] != [o.windows for o in b]
-    assert_same(a, reference[:8])
-    assert_same(b, reference[:8])
+    assert_same(a, reference[:5])
+    assert_same(b, reference[:5])
 
 
 def _kv_snapshot(llm, seq) -> list[torch.Tensor]:
@@ -132,8 +134,10 @@ def test_window_boundary_invariance_kv_and_logprobs(make_real_llm, workload, ref
 
 
 def test_preemption_bitwise_equal(make_real_llm, workload) -> None:
+    """Six requests in 6 KV blocks of 8 tokens, with faults: preempted at least once, the bits of a run with
+    room for all; every block is free again at the end."""
     prompts, params = workload
-    prompts, params = prompts[:10], params[:10]
+    prompts, params = prompts[:6], params[:6]
     unconstrained = make_real_llm(block_size=8, **SMALL).generate(prompts, params)
     llm = make_real_llm(num_kv_blocks=2 + 6, block_size=8, max_num_seqs=16, fault_rate=0.1, **SMALL)
     out = llm.generate(prompts, params)

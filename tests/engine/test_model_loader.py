@@ -173,17 +173,32 @@ def test_modified_cache_is_refused(smollm2_source, tmp_path: Path) -> None:
         load_model_source("default", cache_dir=tmp_path)
 
 
-@pytest.mark.slow
-def test_gguf_is_dequantized_once_then_loaded_from_cache(tmp_path: Path, smollm2_source) -> None:
-    """First start dequantizes into the cache; the second reads the cached folder (a few seconds)."""
+def test_gguf_is_dequantized_once_then_loaded_from_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GGUF of Q4_1 and Q8_0 blocks (a tiny Llama written with the `gguf` package, tied embeddings): the
+    first load dequantizes it into the cache, the second reads the cached folder without dequantizing, and
+    a fresh cache dequantizes it to the same weights, tokenizer and template digests."""
+    import engine.loader as loader
+    from tests.engine.tiny_gguf import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    cache = tmp_path / "cache"
+    dequantized: list[Path] = []
+    dequantize = loader._dequantize_into
+    monkeypatch.setattr(loader, "_dequantize_into", lambda g, *a: (dequantized.append(g), dequantize(g, *a))[1])
     t0 = time.perf_counter()
-    first = load_model_source("default", cache_dir=tmp_path)
+    first = load_model_source(str(gguf), cache_dir=cache)
     cold = time.perf_counter() - t0
     marker = json.loads((first.folder / CACHE_MARKER).read_text())
-    assert marker["source_sha256"] == first.folder.name == sha256_file(default_model_path())
+    assert marker["source_sha256"] == first.folder.name == sha256_file(gguf)
+    assert marker["weights_digest"] == first.info.weights_digest
     t0 = time.perf_counter()
-    second = load_model_source(str(default_model_path()), cache_dir=tmp_path)
+    second = load_model_source(gguf, cache_dir=cache)
     warm = time.perf_counter() - t0
-    assert first.info == second.info == smollm2_source.info
-    assert list(tmp_path.iterdir()) == [first.folder]  # no staging folder left behind
+    assert dequantized == [gguf]
+    assert first.info == second.info and first.info.name == "tiny" and first.info.max_model_len == 1024
+    assert list(cache.iterdir()) == [first.folder]  # no staging folder left behind
     assert warm < cold / 2, f"cached start {warm:.1f}s is not much faster than the first {cold:.1f}s"
+    names = [name for name, _ in iter_weights(first.weight_files)]
+    assert "lm_head.weight" not in names and "model.layers.1.mlp.down_proj.weight" in names
+    again = load_model_source(gguf, cache_dir=tmp_path / "fresh")
+    assert dequantized == [gguf, gguf] and again.info == first.info

@@ -189,4 +189,9 @@ def test_cuda_sampler_bf16_logits_and_row_ids() -> None:
 
 
 if __name__ == "__main__":  # the interpreter subprocess of the CPU test
+    from triton.runtime import interpreter
+
+    from tests.engine.test_canonical_decode import patch_lang_once
+
+    interpreter._patch_lang = patch_lang_once(interpreter._patch_lang)
     print(json.dumps(_interpreted_case()))

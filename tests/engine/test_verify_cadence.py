@@ -161,26 +161,25 @@ def _real_reference(make_real_llm: Any, prompts: list[list[int]], params: Any) -
 
 
 def test_real_model_cadence_with_faults_overlap_and_preemption(make_real_llm) -> None:
-    """SmolLM2 (fp32, CPU): token ids and logprobs under cadences 2 and 5 (W=8, G=2) equal the cadence-off
-    run's, with faults and overlap (early decode, chained passes, carried rows), and with preemption; the
-    windows really differ. Replays under the other cadence reproduce them."""
+    """SmolLM2 (fp32, CPU): token ids and logprobs under cadence 2 with faults and overlap (early decode,
+    chained passes, carried rows) and under cadence 5 with faults and preemption (W=8, G=2) equal the
+    cadence-off run's; the windows really differ. Replays under the other cadence reproduce them."""
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500]]
     from engine.sampling import SamplingParams
 
     params = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 == 0 else 0.8, seed=40 + i,
                              deterministic=True, ignore_eos=True) for i in range(len(prompts))]
     ref = _real_reference(make_real_llm, prompts, params)
-    for k in (2, 5):
-        busy = make_real_llm(window=8, group=2, verify_cadence_steps=k, fault_rate=0.2, fault_seed=k,
-                             verify_decode_rows=2, max_num_seqs=8, **OVERLAP)
-        out = busy.generate(prompts, params)
-        assert_same(ref, out)
-        assert [o.windows for o in out] != [o.windows for o in ref]
-        small = make_real_llm(window=8, group=2, verify_cadence_steps=k, num_kv_blocks=2 + 6, block_size=8,
-                              fault_rate=0.1, fault_seed=k)
-        assert_same(ref, small.generate(prompts, params))
-        assert small.core.scheduler.preemptions > 0
-        replayed = make_real_llm(window=8, group=2, verify_cadence_steps=0).replay(
-            replay_requests(prompts, params, out))
-        assert [r.token_ids for r in replayed] == [o.token_ids for o in out]
-        assert [r.token_logprobs for r in replayed] == [o.token_logprobs for o in out]
+    busy = make_real_llm(window=8, group=2, verify_cadence_steps=2, fault_rate=0.2, fault_seed=2,
+                         verify_decode_rows=2, max_num_seqs=8, **OVERLAP)
+    out = busy.generate(prompts, params)
+    assert_same(ref, out)
+    assert [o.windows for o in out] != [o.windows for o in ref]
+    small = make_real_llm(window=8, group=2, verify_cadence_steps=5, num_kv_blocks=2 + 6, block_size=8,
+                          fault_rate=0.1, fault_seed=5)
+    assert_same(ref, small.generate(prompts, params))
+    assert small.core.scheduler.preemptions > 0
+    replayed = make_real_llm(window=8, group=2, verify_cadence_steps=0).replay(
+        replay_requests(prompts, params, out))
+    assert [r.token_ids for r in replayed] == [o.token_ids for o in out]
+    assert [r.token_logprobs for r in replayed] == [o.token_logprobs for o in out]

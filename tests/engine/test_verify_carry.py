@@ -188,10 +188,10 @@ def _interpreter_main() -> None:
     """Entry of the TRITON_INTERPRET=1 subprocess: the Triton backend's carried rows (tiny shapes)."""
     import torch
 
-    from tests.engine.test_canonical_decode import _patch_interpreter_dot, _patch_interpreter_index
+    from tests.engine.test_canonical_decode import packed_unchecked, patch_interpreter
 
-    _patch_interpreter_index()
-    _patch_interpreter_dot()
+    patch_interpreter()
+    packed_unchecked(torch.bfloat16, 2, 16)
     # bfloat16, the dtype served on GPUs (both dtypes of the kernels run in test_canonical_decode's checks)
     check_carried_attention("triton", "cpu", torch.bfloat16, (4, 2, 16, 16), [40, 75], [9, 130, 1], window=8)
     print("interpreter ok")
