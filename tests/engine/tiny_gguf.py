@@ -6,6 +6,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.detokenize import byte_decoder
+
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = ["h e", "l l", "\u0120 w"]
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -13,16 +15,9 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 def _byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
+    """GPT-2's printable stand-ins for the 256 bytes (the byte-level BPE alphabet), in byte order."""
+    decoder = byte_decoder()
+    return sorted(decoder, key=decoder.__getitem__)
 
 
 def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
