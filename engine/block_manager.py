@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections import deque
 
-RESERVED_BLOCKS = 2  # the zero block and the scratch block (engine.config.ZERO_BLOCK, SCRATCH_BLOCK)
+ZERO_BLOCK = 0     # block-table padding points here; never written, stays zero
+SCRATCH_BLOCK = 1  # K/V of dummy tokens / dummy rows of verify passes land here; never read as a key
+RESERVED_BLOCKS = 2  # the zero block and the scratch block, never handed out
 
 
 class OutOfBlocks(RuntimeError):

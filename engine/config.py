@@ -20,10 +20,12 @@ from typing import Any, TypeVar
 
 import torch
 
+# the reserved blocks are the block manager's; re-exported for the attention backends and the model runner
+from engine.block_manager import RESERVED_BLOCKS as RESERVED_BLOCKS
+from engine.block_manager import SCRATCH_BLOCK as SCRATCH_BLOCK
+from engine.block_manager import ZERO_BLOCK as ZERO_BLOCK
+
 DEFAULT_MODEL = "default"
-RESERVED_BLOCKS = 2
-ZERO_BLOCK = 0     # block-table padding points here; never written, stays zero
-SCRATCH_BLOCK = 1  # K/V of dummy tokens / dummy rows of verify passes land here; never read as a key
 
 # the defaults `resolve` decides per device type
 CPU_KV_BLOCKS = 514
