@@ -11,7 +11,6 @@ plain graph. Writes canonical-step-probe.json to DIR.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from bench.results import write_result  # noqa: E402
 
 
 def main() -> int:
@@ -54,8 +54,7 @@ def main() -> int:
                 print(key, round(t["median_ms"], 4), "ms", flush=True)
         del graphs
         torch.cuda.synchronize()
-    Path(a.out).mkdir(parents=True, exist_ok=True)
-    (Path(a.out) / "canonical-step-probe.json").write_text(json.dumps(result, indent=1))
+    write_result(result, a.out, "canonical-step-probe")
     return 0
 
 

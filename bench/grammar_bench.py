@@ -29,6 +29,12 @@ from typing import Any
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the source root on the path
+    sys.path.insert(0, str(ROOT))
+
+from bench.results import write_result  # noqa: E402
+
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer", "minimum": 0},
@@ -206,8 +212,7 @@ def main(argv: list[str] | None = None) -> None:
         lib = cls(tokenizer, vocab, eos, a.threads)
         results["libraries"][cls.name] = measure(lib, tokenizer, eos[0], a.repeats)
         print(cls.name, json.dumps(results["libraries"][cls.name], indent=1), flush=True)
-    a.out.mkdir(parents=True, exist_ok=True)
-    (a.out / "grammar-bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    write_result(results, a.out, "grammar-bench")
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.results import write_result_file  # noqa: E402
+
 TENANTS = 8
 """Clients are spread over this many tenants (one API key per client): one chain per tenant."""
 VERIFY_SAMPLE = 32
@@ -430,11 +432,9 @@ def main(argv: list[str]) -> int:
         "fake_engine": {"step_delay_s": args.step_delay, "max_tokens": args.max_tokens, "window": 8},
         "runs": [run(args, database) for _ in range(args.repeat) for database in databases],
     }
-    text = json.dumps(result, indent=2)
-    print(text)
+    print(json.dumps(result, indent=2))
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
+        write_result_file(result, args.out)
     return 0
 
 

@@ -31,6 +31,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.results import write_result_file  # noqa: E402
 from tests.auditor.replicas_support import Cluster, create_database, drop_database  # noqa: E402
 
 
@@ -118,8 +119,7 @@ def main() -> int:
         "median_appends_per_second": median,
         "runs": runs,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    write_result_file(result, args.out)
     print(args.out)
     return 0
 

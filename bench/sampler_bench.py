@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import subprocess
 import sys
@@ -27,7 +26,13 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench.mixes import SAMPLING_PRESETS  # the mode comparison's presets; top logprobs added below
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the source root on the path
+    sys.path.insert(0, str(ROOT))
+
+# the mode comparison's presets; top logprobs added below
+from bench.engine_bench.mixes import SAMPLING_PRESETS  # noqa: E402
+from bench.results import write_result  # noqa: E402
 
 PRESETS: dict[str, dict[str, Any]] = {**{k: v for k, v in SAMPLING_PRESETS.items() if k != "greedy"},
                                       "logprobs": {"temperature": 0.8, "logprobs": 5}}
@@ -161,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         result["detok"] = detok_section(a.gguf, a.kernel_rows, a.tokens, a.repeats)
     if "engine" in sections:
         result["engine"] = engine_section(a.gguf, a.device, a.requests, a.tokens)
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sampler-bench.json").write_text(json.dumps(result, indent=1))
+    write_result(result, a.out, "sampler-bench")
     return 0
 
 

@@ -36,6 +36,12 @@ from typing import Any
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the source root on the path
+    sys.path.insert(0, str(ROOT))
+
+from bench.results import write_result  # noqa: E402
+
 SCHEMA = {
     "type": "object",
     "properties": {
@@ -274,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     sections = {"smollm2": smollm2_section, "synthetic": synthetic_section}
     for name in a.models.split(","):
         result["sections"][name] = sections[name](a, a.device)
-        (a.out / f"{a.name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        write_result(result, a.out, a.name)
     ratios = [m["ratio_schema_to_plain"] for s in result["sections"].values() for m in s["modes"].values()]
     print(f"schema / plain throughput ratios: {ratios} (min {min(ratios):.3f}, median {statistics.median(ratios):.3f})")
 

@@ -97,7 +97,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the source root on the path
+    sys.path.insert(0, str(ROOT))
+
+from bench.results import write_result_file  # noqa: E402
+
 MODEL_ALIASES = {"synthetic-8b": "synthetic:llama-3.1-8b:peaked", "smollm2": "default"}
 WARMUP_TOKENS = 4          # per request in the warm-ups (kernels compile for the prompt shapes there)
 TENANT = "bench"
@@ -224,7 +229,7 @@ def engine_role(plan_path: str, result_path: str) -> int:
         "model": model_info_json(engine.model_info), "tokenizer_json": str(tokenizer_dir / "tokenizer.json"),
         "requests": request_pool(plan, vocab), "stream_prompts": stream_prompts(plan, vocab), "modes": {},
     }
-    write_json(out_path, result)
+    write_result_file(result, out_path)
     log(f"engine loaded in {result['load_s']} s on {result['device']['name']}; graphs {result['graphs']}")
     sat = result["requests"][:plan["saturation_requests"]]
     for share in plan["det_shares"]:
@@ -235,10 +240,10 @@ def engine_role(plan_path: str, result_path: str) -> int:
             run = entry["core"] = core_run(core, sat, det, plan, f"{mode_name(share)}-core")
             log(f"engine alone {mode_name(share)} (core): {run['output_tok_per_s']:.0f} tok/s, "
                 f"{run['req_per_s']:.1f} req/s, {run['seconds']:.2f} s")
-        write_json(out_path, result)
+        write_result_file(result, out_path)
     with recorded(result, "async_error"):
         asyncio.run(_engine_async_phase(engine, plan, result, out_path))
-    write_json(out_path, result)
+    write_result_file(result, out_path)
     return 0
 
 
@@ -362,7 +367,7 @@ async def _engine_async_phase(engine: Any, plan: dict[str, Any], result: dict[st
             point = point_metrics(records)
             point.pop("samples")
             result["modes"][mode_name(share)]["async"] = point
-            write_json(out_path, result)
+            write_result_file(result, out_path)
             log(f"engine alone {mode_name(share)} (async): {point['output_tok_per_s']:.0f} tok/s")
         if plan["streams"]:
             async def run(prompts: list[list[int]], det: bool, tag: str) -> list[dict[str, Any]]:
@@ -371,7 +376,7 @@ async def _engine_async_phase(engine: Any, plan: dict[str, Any], result: dict[st
                 return await _async_records(engine, specs, tag)
 
             result["streams"] = await stream_runs(run, result["stream_prompts"], plan)
-            write_json(out_path, result)
+            write_result_file(result, out_path)
             log(f"engine alone streams: {stream_line(result['streams']['summary'])}")
     finally:
         await engine.shutdown()
@@ -827,7 +832,7 @@ class Run:
         return self.args.deadline_s - (time.monotonic() - self.t0)
 
     def write(self) -> None:
-        write_json(self.json_path, self.result)
+        write_result_file(self.result, self.json_path)
 
     def plan(self) -> dict[str, Any]:
         a = self.args
@@ -844,7 +849,7 @@ class Run:
     def engine_alone(self) -> None:
         plan_path, result_path = self.work / "plan.json", self.work / "engine.json"
         plan = self.plan()
-        write_json(plan_path, plan)
+        write_result_file(plan, plan_path)
         log(f"engine alone: {self.model} ({len(self.args.det_shares)} modes)")
         cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "engine", "--plan", str(plan_path),
                "--result", str(result_path)]
@@ -1148,12 +1153,6 @@ def environment(args: argparse.Namespace) -> dict[str, Any]:
             "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "host": platform.node(), "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "args": {k: v for k, v in vars(args).items() if k not in ("role", "plan", "result")}}
-
-
-def write_json(path: Path, doc: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, default=str))
-    tmp.replace(path)
 
 
 # ---- plots ------------------------------------------------------------------------------------------------

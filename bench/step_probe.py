@@ -21,7 +21,6 @@ Writes step-probe.json to DIR.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
 from bench.engine_bench.core import kernel_times  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from engine.config import RESERVED_BLOCKS  # noqa: E402
 
 
@@ -134,11 +134,9 @@ def main() -> int:
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
     result: dict[str, Any] = {"environment": environment(sys.argv), "context": a.context}
-    outdir = Path(a.out)
-    outdir.mkdir(parents=True, exist_ok=True)
 
     def dump() -> None:
-        (outdir / "step-probe.json").write_text(json.dumps(result, indent=1))
+        write_result(result, a.out, "step-probe")
 
     model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b"), torch.bfloat16, "cuda", seed=0,
                                   attention_backend="triton")

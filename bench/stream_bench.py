@@ -38,6 +38,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: the source root on the path
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.results import write_result  # noqa: E402
 from bench.serve_bench import dist, median  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.core import EngineCore  # noqa: E402
@@ -285,14 +286,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "default_verify_cadence_steps": default_cadence},
            "settings": result["settings"], "ratios_to_nondeterministic": ratios(result["settings"]),
            "single_streams": result["single_streams"]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(doc, indent=1) + "\n")
-    plot(result["single_streams"], out / f"{args.name}-streams.png",
+    path = write_result(doc, args.out, args.name)
+    plot(result["single_streams"], path.with_name(f"{args.name}-streams.png"),
          f"{args.model}, {args.device}, one stream of {args.max_tokens} tokens (W={cfg.window}, G={cfg.group})",
          cfg.torch_device.type == "cpu")
     print(table(result["settings"]))
-    log(f"wrote {out / (args.name + '.json')}")
+    log(f"wrote {path}")
     return 0
 
 

@@ -27,6 +27,12 @@ from typing import Any
 
 import torch
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: the source root on the path
+    sys.path.insert(0, str(ROOT))
+
+from bench.results import write_result  # noqa: E402
+
 MODEL = "synthetic:llama-3.1-8b:peaked"
 REQUESTS, PROMPT_LEN, OUTPUT_LEN = 64, 128, 128
 SHARES = {"nondeterministic": {"nondeterministic": 0.0}, "dvr": {"dvr_10pct": 0.1, "dvr_100pct": 1.0},
@@ -113,9 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             print(f"tp={args.tp} decode step at batch 1: {result['batch1']['decode_step_ms']:.3f} ms", flush=True)
     finally:
         llm.close()
-    out = Path(args.out) / f"tp-bench-tp{args.tp}-{args.engine_mode}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = write_result(result, args.out, f"tp-bench-tp{args.tp}-{args.engine_mode}")
     print(f"written: {out}")
     return 0
 
@@ -158,10 +162,8 @@ def cmd_report(args: argparse.Namespace) -> int:
             "mode_ratios": all(abs(d) <= TARGETS["mode_ratio_delta_max"]
                                for d in report["mode_ratio_delta_tp2_minus_tp1"].values()),
         }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
-    chart(report, out / f"{args.name}.png")
+    path = write_result(report, args.out, args.name)
+    chart(report, path.with_suffix(".png"))
     print(json.dumps({k: v for k, v in report.items() if k != "by_tp"}, indent=1))
     return 0
 

@@ -16,7 +16,6 @@ chunk_programs value are bitwise those of the first. Writes verify-probe.json to
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.step_probe import profile_replays  # noqa: E402
 from bench.engine_bench.common import BLOCK_SIZE, contiguous_tables, environment, fill_cache_, time_cuda  # noqa: E402
+from bench.results import write_result  # noqa: E402
 from engine.config import RESERVED_BLOCKS  # noqa: E402
 
 G, W, D, DECODE_ROWS, SERVED = 8, 32, 64, 96, 8192
@@ -44,12 +44,10 @@ def main() -> int:
     from engine.models.synthetic import build_synthetic_model, synthetic_hf_config
 
     programs = [int(x) for x in a.programs.split(",")]
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(sys.argv), "context": a.context, "runs": {}}
 
     def dump() -> None:
-        (out_dir / "verify-probe.json").write_text(json.dumps(result, indent=1))
+        write_result(result, a.out, "verify-probe")
 
     model = build_synthetic_model(synthetic_hf_config("llama-3.1-8b"), torch.bfloat16, "cuda", seed=0,
                                   attention_backend="triton")

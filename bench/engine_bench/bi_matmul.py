@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from bench.engine_bench.results import write_result
+from bench.results import write_result
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "lm_head": (128256, 4096)}

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from bench.engine_bench.results import write_result
+from bench.results import write_result
 from engine.config import RESERVED_BLOCKS, EngineConfig, resolve_decode_cublaslt_min_rows
 
 BLOCK_SIZE = EngineConfig.block_size  # the engine's default: the bench sizes num_kv_blocks in it too

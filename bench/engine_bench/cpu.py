@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from bench.engine_bench.results import write_result
+from bench.results import write_result
 from engine.config import EngineConfig, Mode
 from engine.fingerprint import cpu_model, runtime_fingerprint
 from engine.llm import LLM

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench.engine_bench.common import BLOCK_SIZE, engine_shape, synthetic_config, time_wall
-from bench.engine_bench.results import write_result
+from bench.results import write_result
 from engine.config import RESERVED_BLOCKS
 
 
