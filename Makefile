@@ -25,9 +25,13 @@ serve: setup
 	$(VENV)/bin/verbatim serve
 
 # pytest workers in parallel; the tests of a file share a worker, so its module fixtures (a live server, a
-# reference run) are built once
+# reference run) are built once; files go to the workers in the order tests/conftest.py gives (slow ones first)
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscopereorder
+
+# the same without the tests marked slow (a few minutes on two cores)
+test-fast: setup
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscopereorder -m "not slow"
 
 bench: setup
 	$(PY) -m bench cpu

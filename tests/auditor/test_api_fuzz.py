@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
@@ -88,6 +89,7 @@ def _run(operation: Any, label: str, mode: GenerationMode, base_url: str, header
         # An operation with nothing to break (no parameters, no body) has no negative cases.
 
 
+@pytest.mark.slow
 async def test_fuzzing_the_published_schema_finds_no_5xx_and_no_non_json_error(tmp_path: Path) -> None:
     settings_ = await asyncio.to_thread(sqlite_settings, tmp_path, rate_limit_per_second=10_000.0,
                                         rate_limit_burst=10_000)

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from tests.auditor.conftest import LiveServer, free_port
 from tests.auditor.test_api_fake import _tamper, completion
@@ -72,6 +73,7 @@ async def test_verify_command_accepts_served_document_and_rejects_tampering(fake
     assert bad.returncode == 1 and "INVALID" in bad.stdout
 
 
+@pytest.mark.slow
 def test_serve_first_start_sets_everything_up(tmp_path: Path) -> None:
     """Migrates, creates owner-only signing keys and one admin key (printed once), listens; the model
     path is made invalid so the test does not load a model, and the server is told to keep serving

@@ -219,6 +219,7 @@ def stop(process: subprocess.Popen[str]) -> str:
     return process.communicate(timeout=60)[0]
 
 
+@pytest.mark.slow
 def test_hub_id_is_served_under_the_given_name_and_replays_with_progress(hf_home: Path, tmp_path: Path) -> None:
     data, port = tmp_path / "data", free_port()
     env = offline_env(hf_home, VERBATIM_MODEL="/nonexistent/overridden-by-the-flag",

@@ -161,6 +161,7 @@ async def test_json_schema_is_bit_exact_under_co_traffic_and_replays(real_server
     assert json_object.choices[0].message.content.lstrip().startswith("{")
 
 
+@pytest.mark.slow
 async def test_tool_calls_are_bit_exact_stream_and_replay(real_server: LiveServer) -> None:
     oai = client_for(real_server, real_server.keys["client"])
     model = (await oai.models.list()).data[0].id

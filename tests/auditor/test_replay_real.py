@@ -98,6 +98,7 @@ async def statement_of(server: LiveServer, transcript_id: str) -> dict[str, Any]
     return json.loads(base64.b64decode(doc["envelope"]["payload"]))
 
 
+@pytest.mark.slow
 async def test_transcripts_made_under_load_with_faults_replay_as_match(faulty_server: LiveServer) -> None:
     oai = openai_client(faulty_server)
     made = await asyncio.gather(*[complete(oai, p, i) for i, p in enumerate(PROMPTS)],

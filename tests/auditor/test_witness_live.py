@@ -101,6 +101,7 @@ def rewrite_as_operator(db: Path, keys_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("rewrite", ["leaf_hash", "operator"])
+@pytest.mark.slow
 async def test_rewritten_leaf_is_refused_by_the_witness_and_flagged_by_the_monitor(
         real_engine: tuple[Any, Any], tmp_path: Path, rewrite: str) -> None:
     loop_thread, engine = real_engine

@@ -14,6 +14,8 @@ import pytest
 
 from bench import serve_bench as sb
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 16
 # warm-up 3 x 2 modes; streams: 1 alone x 2 modes + 2 at once x 2 modes; ramp: (2 at 2 req/s + 3 at once) x 2

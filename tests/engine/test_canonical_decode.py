@@ -368,6 +368,7 @@ def test_query_tile_changes_the_kernel_identity() -> None:
     assert "attention_kernel" not in runtime_fingerprint(config)  # the CPU runs the torch backend
 
 
+@pytest.mark.slow
 def test_canonical_rows_under_the_triton_interpreter() -> None:
     """The "tiles" part; test_canonical_decode_chunks.py runs the "chunks" part (a file of its own, so
     another worker takes it)."""

@@ -85,6 +85,7 @@ def _interpreter_main() -> None:
     print("interpreter ok")
 
 
+@pytest.mark.slow
 def test_split_decode_under_the_triton_interpreter() -> None:
     from tests.engine.test_canonical_decode import run_under_triton_interpreter
 

@@ -45,6 +45,7 @@ def reference(make_real_llm, workload):
     return make_real_llm(**SMALL).generate(prompts, params)
 
 
+@pytest.mark.slow
 def test_determinism_alone_vs_batched(make_real_llm, workload, reference) -> None:
     prompts, params = workload
     alone = one_at_a_time(make_real_llm(**SMALL), prompts, params)  # (a)
@@ -54,6 +55,7 @@ def test_determinism_alone_vs_batched(make_real_llm, workload, reference) -> Non
 
 
 @pytest.mark.parametrize("max_seqs", [4, 12])
+@pytest.mark.slow
 def test_determinism_staggered_among_nondeterministic(make_real_llm, workload, reference, max_seqs) -> None:
     prompts, params = workload
     llm = make_real_llm(max_num_seqs=max_seqs, **SMALL)
@@ -79,6 +81,7 @@ def test_fault_injection_bitwise_equal(make_real_llm, workload, reference, rate)
             assert all(e - s == 1 for s, e in o.windows) and o.verify_passes == len(o.token_ids) - 1
 
 
+@pytest.mark.slow
 def test_window_starts_from_fault_seeds(make_real_llm, workload, reference) -> None:
     """Two fault seeds on five requests: other windows, the reference's bits."""
     prompts, params = workload
@@ -133,6 +136,7 @@ def test_window_boundary_invariance_kv_and_logprobs(make_real_llm, workload, ref
         assert all(torch.equal(x, y) for x, y in zip(kv, runs[0][1]))
 
 
+@pytest.mark.slow
 def test_preemption_bitwise_equal(make_real_llm, workload) -> None:
     """Six requests in 6 KV blocks of 8 tokens, with faults: preempted at least once, the bits of a run with
     room for all; every block is free again at the end."""
@@ -146,6 +150,7 @@ def test_preemption_bitwise_equal(make_real_llm, workload) -> None:
     assert llm.core.scheduler.blocks.num_free == llm.core.scheduler.blocks.num_usable
 
 
+@pytest.mark.slow
 def test_replay_of_outputs_made_under_load(make_real_llm, workload, reference) -> None:
     prompts, params = workload
     prompts, params = prompts[:10], params[:10]

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from tests.engine.dvr_cases import assert_same, assert_windows_cover, replay_requests, staggered
 from tests.engine.test_dvr_real import SMALL, workload  # noqa: F401 - workload is the shared fixture
+
+pytestmark = pytest.mark.slow
 
 
 def test_default_window_and_group(make_real_llm, workload) -> None:

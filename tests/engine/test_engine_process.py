@@ -76,6 +76,7 @@ async def test_a_killed_engine_process_fails_its_streams() -> None:
         await engine.shutdown()
 
 
+@pytest.mark.slow
 async def test_real_model_bits_equal_the_in_process_engine(make_real_llm) -> None:
     """SmolLM2 on the CPU: the engine process gives the in-process engine's token ids and logprobs."""
     engine = EngineProcess(EngineConfig(num_kv_blocks=130, num_threads=1), start_timeout_s=600)

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: test_fused_gpu.py runs the kernels compiled")
+@pytest.mark.slow
 def test_fused_kernels_under_the_interpreter() -> None:
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1", VERBATIM_FUSED_INTERPRETED="1")

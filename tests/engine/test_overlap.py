@@ -175,6 +175,7 @@ def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
 
 
 @pytest.mark.parametrize("early", [False, True])
+@pytest.mark.slow
 def test_real_model_dvr_bits_with_overlap(make_real_llm, early: bool) -> None:
     """SmolLM2 (fp32, CPU): deterministic requests among fast co-traffic give the same token ids and
     logprobs with overlap on as a lone run with overlap off; also with carried rows, the early decode

@@ -97,6 +97,7 @@ def _interpreted_case() -> dict:
             "lse0": lse.item()}
 
 
+@pytest.mark.slow
 def test_interpreted_kernel_matches_host_and_is_batch_invariant() -> None:
     pytest.importorskip("triton")
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)

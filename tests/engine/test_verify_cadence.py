@@ -160,6 +160,7 @@ def _real_reference(make_real_llm: Any, prompts: list[list[int]], params: Any) -
     return make_real_llm(window=8, group=2, verify_cadence_steps=0).generate(prompts, params)
 
 
+@pytest.mark.slow
 def test_real_model_cadence_with_faults_overlap_and_preemption(make_real_llm) -> None:
     """SmolLM2 (fp32, CPU): token ids and logprobs under cadence 2 with faults and overlap (early decode,
     chained passes, carried rows) and under cadence 5 with faults and preemption (W=8, G=2) equal the

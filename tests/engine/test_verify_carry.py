@@ -115,6 +115,7 @@ def test_transcripts_replay_under_carried_rows(make_mock_llm: Any, workload: Any
         assert r.token_ids == o.token_ids and r.token_logprobs == o.token_logprobs
 
 
+@pytest.mark.slow
 def test_real_model_alone_equals_batched_with_carried_rows(make_real_llm: Any, smollm2_source: Any) -> None:
     """SmolLM2 on the CPU (float32, torch backend), D = 4: a request alone, and the same requests among
     non-deterministic ones with real carried rows, give the same bits; and so does a replay."""
