@@ -1,6 +1,6 @@
 """Test order for parallel runs: the files that hold `slow` tests first.
 
-`make test` runs pytest-xdist with `--dist loadfile --no-loadscopereorder`: every file is one unit of work,
+`make test` runs pytest-xdist with `--dist loadfile --no-loadscope-reorder`: every file is one unit of work,
 handed to the workers in collection order. Longest units first keeps one worker from starting a minute-long
 file while the other has nothing left, so the files with the most `slow` tests come first, then the other
 files by number of tests; the order of tests inside a file does not change. Mark a test `slow` when it takes
