@@ -174,23 +174,30 @@ def test_abort_with_a_step_in_flight(make_mock_llm, workload) -> None:
     assert core.scheduler.blocks.num_free == core.scheduler.blocks.num_usable
 
 
+REAL_PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
+REAL_DET = [SamplingParams(max_tokens=20, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
+                           deterministic=True, ignore_eos=True) for i in range(len(REAL_PROMPTS))]
+
+
+@pytest.fixture(scope="module")
+def real_alone_reference(make_real_llm) -> list[Any]:
+    """Each deterministic request of the real-model test alone, overlap off (shared by its parametrizations)."""
+    return [make_real_llm(window=8, group=2).generate([p], [sp])[0] for p, sp in zip(REAL_PROMPTS, REAL_DET)]
+
+
 @pytest.mark.parametrize("early", [False, True])
 @pytest.mark.slow
-def test_real_model_dvr_bits_with_overlap(make_real_llm, early: bool) -> None:
+def test_real_model_dvr_bits_with_overlap(make_real_llm, real_alone_reference, early: bool) -> None:
     """SmolLM2 (fp32, CPU): deterministic requests among fast co-traffic give the same token ids and
     logprobs with overlap on as a lone run with overlap off; also with carried rows, the early decode
     step after each verify pass (verify_early_decode) and verify passes launched behind the step in
     flight (chained_verify)."""
-    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7, 6], [100, 200, 300, 400, 500], [42] * 12]
-    det = [SamplingParams(max_tokens=40, temperature=0.0 if i % 2 == 0 else 0.7, seed=11 + i,
-                          deterministic=True, ignore_eos=True) for i in range(len(prompts))]
-    ref = [make_real_llm(window=8, group=2).generate([p], [sp])[0] for p, sp in zip(prompts, det)]
     extra = dict(verify_early_decode=True, verify_decode_rows=4, chained_verify=True) if early else {}
     llm = make_real_llm(window=8, group=2, overlap=True, max_num_seqs=8, **extra)
     counts = _count_chained(llm)
-    fast = [SamplingParams(max_tokens=25 + 5 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
-    outs = llm.generate(prompts + [p[::-1] for p in prompts], det + fast)
-    assert_same(ref, outs[: len(prompts)])
+    fast = [SamplingParams(max_tokens=14 + 3 * i, temperature=1.0, seed=i, ignore_eos=True) for i in range(4)]
+    outs = llm.generate(REAL_PROMPTS + [p[::-1] for p in REAL_PROMPTS], REAL_DET + fast)
+    assert_same(real_alone_reference, outs[: len(REAL_PROMPTS)])
     assert counts["chained_steps"] > 0 and counts["chained_rows"] > 0, counts
     if early:
         stats = llm.core.stats()

@@ -20,7 +20,7 @@ from engine.sampling import SamplingParams, sample_row, sample_rows
 
 ROOT = Path(__file__).resolve().parents[2]
 
-VOCAB = 20000  # 3 splits: a partial last split and chunks wholly past the vocab
+VOCAB = 16500  # 3 splits: a partial last split and chunks wholly past the vocab
 
 # (temperature, top_k, top_p, min_p, logprobs) per row; _logits shapes the adversarial rows
 PARAMS = [
