@@ -290,7 +290,7 @@ def packed_unchecked(dtype: torch.dtype, group: int, head_dim: int,
                      settings: KernelSettings = DEFAULT_KERNEL_SETTINGS) -> None:
     """The backend takes the packed canonical kernel on the CPU for these shapes without its per-device
     check (`packed_matches_prefill`, half a minute of interpreted launches per key; `_interpreter_main`
-    asserts it for both dtypes at the 64-key chunk and both query tiles), so the caller's bitwise claims
+    asserts it for both query tiles at the 64-key chunk, in both dtypes between them), so the caller's bitwise claims
     hold of the packed kernel itself."""
     from engine.attention import triton_canonical_decode as packed
 
@@ -302,8 +302,9 @@ def _interpreter_main(part: str = "tiles") -> None:
     its own subprocess and test: "tiles" (the default settings in both dtypes, the 64-row query tile and the
     prefill pass tile) and "chunks" (the packed kernel's 64-key chunks and their programs). A setting whose
     check takes the interpreter long runs in one dtype; both dtypes run in every part. The packed kernel's
-    own check (`packed_matches_prefill`) is asserted for both dtypes of both tiles, the 64-row one in the
-    "tiles" part; the default settings' rows run the packed kernel without it."""
+    own check (`packed_matches_prefill`, about 25 s of interpreted launches each) is asserted once per tile
+    and dtype pair that covers both: the 64-row tile in float32 ("tiles"), the 16-row tile with 64-key chunks
+    in bfloat16 ("chunks"); the default settings' rows run the packed kernel without it."""
     patch_interpreter()
     from engine.attention import triton_canonical_decode as packed
 
@@ -319,14 +320,12 @@ def _interpreter_main(part: str = "tiles") -> None:
                                    split_size=64)
             check_prefill_pass_tile("cpu", dtype)
         check_canonical_decode("cpu", torch.float32, (6, 2, 16, 16), lens, mask, split_size=64, settings=tall)
-        for dtype in (torch.float32, torch.bfloat16):
-            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, tall)
+        assert packed.packed_matches_prefill(torch.device("cpu"), torch.float32, 3, 16, tall)
     else:
         # the packed kernel's parallel chunks merged by their last program give the prefill kernel's serial merge
         check_canonical_decode("cpu", torch.bfloat16, (6, 2, 16, 16), lens, mask, split_size=64, settings=small)
         check_chunk_programs("cpu", torch.float32, small)
-        for dtype in (torch.float32, torch.bfloat16):
-            assert packed.packed_matches_prefill(torch.device("cpu"), dtype, 3, 16, small)
+        assert packed.packed_matches_prefill(torch.device("cpu"), torch.bfloat16, 3, 16, small)
     print("interpreter ok")
 
 
