@@ -154,9 +154,9 @@ async def test_three_replicas_one_killed_under_load(replica_database: str, tmp_p
         await asyncio.to_thread(cluster.start, 3)
         bootstraps = sum(r.output().count("Created the first admin API key") for r in cluster.replicas)
         assert bootstraps == 1, [r.output()[-500:] for r in cluster.replicas]
-        keys = {t: await asyncio.to_thread(cluster.create_key, t) for t in TENANTS}
+        keys = {t: await make_key(Settings(database_url=replica_database), t, "client") for t in TENANTS}
         load = Load(cluster.urls, keys)
-        requests = [(t, n) for n in range(24) for t in TENANTS]
+        requests = [(t, n) for n in range(12) for t in TENANTS]
         random.Random(29).shuffle(requests)
         queue: asyncio.Queue[tuple[str, int]] = asyncio.Queue()
         for item in requests:
@@ -304,7 +304,7 @@ async def test_backup_and_restore_with_the_log_checked(replica_database: str, re
     restored_url = restored_database
     try:
         await asyncio.to_thread(cluster.start, 1)
-        key = await asyncio.to_thread(cluster.create_key, "acme")
+        key = await make_key(Settings(database_url=replica_database), "acme", "client")
         ids = [await _complete(cluster.urls[0], key, n) for n in range(6)]
         async with httpx.AsyncClient(base_url=cluster.urls[0]) as http:
             (tmp_path / "jwks.json").write_text((await http.get("/.well-known/jwks.json")).text)
@@ -317,21 +317,23 @@ async def test_backup_and_restore_with_the_log_checked(replica_database: str, re
         await _complete(cluster.urls[0], key, 6)  # published after the backup: lost by the restore
         later = run_cli(*monitor, cluster.urls[0], "--state", str(tmp_path / "after.json"))
         assert later.returncode == 0 and "size 7" in later.stdout, later.stdout
-        cluster.stop()
-
-        restore = subprocess.run(["pg_restore", "--no-owner", "-d", _dsn(restored_url), str(tmp_path / "log.dump")],
-                                 capture_output=True, text=True)
+        restore, _ = await asyncio.gather(
+            asyncio.to_thread(subprocess.run, ["pg_restore", "--no-owner", "-d", _dsn(restored_url),
+                                               str(tmp_path / "log.dump")], capture_output=True, text=True),
+            asyncio.to_thread(cluster.stop))
         assert restore.returncode == 0, restore.stderr
         restored = Cluster(restored_url, tmp_path / "data", None)
         await asyncio.to_thread(restored.start, 1)
         try:
-            checked = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "before.json"))
-            assert checked.returncode == 0 and "size 6" in checked.stdout, checked.stdout + checked.stderr
             async with httpx.AsyncClient(base_url=restored.urls[0], headers={"Authorization": f"Bearer {key}"}) as http:
                 (tmp_path / "doc.json").write_text((await http.get(f"/v1/transcripts/{ids[0]}")).text)
-            verified = run_cli("verify", str(tmp_path / "doc.json"), "--jwks", str(tmp_path / "jwks.json"))
+            # three independent commands (separate state files), run side by side
+            checked, verified, shrunk = await asyncio.gather(
+                asyncio.to_thread(run_cli, *monitor, restored.urls[0], "--state", str(tmp_path / "before.json")),
+                asyncio.to_thread(run_cli, "verify", str(tmp_path / "doc.json"), "--jwks", str(tmp_path / "jwks.json")),
+                asyncio.to_thread(run_cli, *monitor, restored.urls[0], "--state", str(tmp_path / "after.json")))
+            assert checked.returncode == 0 and "size 6" in checked.stdout, checked.stdout + checked.stderr
             assert verified.returncode == 0, verified.stdout
-            shrunk = run_cli(*monitor, restored.urls[0], "--state", str(tmp_path / "after.json"))
             assert shrunk.returncode == 1 and "the log shrank from size 7 to 6" in shrunk.stderr, shrunk.stderr
         finally:
             restored.stop()
