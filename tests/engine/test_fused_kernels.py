@@ -222,7 +222,7 @@ def _rope_write_case(dtype: torch.dtype, t: int, d: int, seed: int
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: both sides round in the interpreter
 @pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("t", [1, 37])
+@pytest.mark.parametrize("t", [1, 13])  # 13 slots: the scratch block among the blocks written, in both cases
 def test_rope_write_kv_equals_rope_then_write_kv(tf: ModuleType, dtype: torch.dtype, d: int, t: int) -> None:
     """The fused K/V write gives bitwise rope's q and the caches rope + write_kv leave, every slot."""
     from engine.attention.torch_backend import write_kv
