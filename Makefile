@@ -24,16 +24,14 @@ setup: $(STAMP)
 serve: setup
 	$(VENV)/bin/verbatim serve
 
-# pytest workers in parallel, one more than the cores (a worker waiting on a live server or a subprocess leaves
-# its core to the others); the tests of a file share a worker, so its module fixtures (a live server, a
+# pytest workers in parallel; the tests of a file share a worker, so its module fixtures (a live server, a
 # reference run) are built once; files go to the workers in the order tests/conftest.py gives (slow ones first)
-WORKERS ?= $(shell python3 -c 'import os; print(len(os.sched_getaffinity(0)) + 1)')
 test: setup
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 
-# the same without the tests marked slow
+# the same without the tests marked slow (a few minutes on two cores)
 test-fast: setup
-	$(PY) -m pytest -q -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m "not slow"
 
 bench: setup
 	$(PY) -m bench cpu
