@@ -26,12 +26,13 @@ serve: setup
 
 # pytest workers in parallel; the tests of a file share a worker, so its module fixtures (a live server, a
 # reference run) are built once; files go to the workers in the order tests/conftest.py gives (slow ones first)
+PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+	$(PYTEST)
 
-# the same without the tests marked slow (a few minutes on two cores)
+# the same without the tests marked slow
 test-fast: setup
-	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder -m "not slow"
+	$(PYTEST) -m "not slow"
 
 bench: setup
 	$(PY) -m bench cpu
