@@ -13,7 +13,7 @@ from pathlib import Path
 from sqlalchemy.engine import make_url
 
 from tests.auditor.conftest import free_port
-from tests.auditor.processes import Process, run_cli
+from tests.auditor.processes import Process
 
 FAKE_ENGINE = "tests.auditor.fake_engine:from_settings"
 
@@ -69,11 +69,6 @@ class Cluster:
         for replica, url in zip(self.replicas, self.urls):
             replica.wait_http(url + "/readyz", timeout=180)
         return self
-
-    def create_key(self, tenant: str, role: str = "client") -> str:
-        made = run_cli("keys", "create", "--tenant", tenant, "--role", role, env=self.base_env())
-        assert made.returncode == 0, made.stderr
-        return made.stdout.strip().splitlines()[-1]
 
     def stop(self) -> None:
         for replica in self.replicas:
