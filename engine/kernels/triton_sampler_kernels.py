@@ -11,20 +11,28 @@ def _mix(z):
 
 
 @triton.jit
-def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr,
-                 best_ptr, arg_ptr, m_ptr, s_ptr, vocab, NUM_SPLITS: tl.constexpr,
-                 SPLIT_: tl.constexpr, BLOCK_: tl.constexpr):
+def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr, topk_ptr, topp_ptr,
+                 best_ptr, arg_ptr, m_ptr, s_ptr, tm_ptr, ts_ptr, cmax_ptr, vocab, n_chunks,
+                 NUM_SPLITS: tl.constexpr, SPLIT_: tl.constexpr, BLOCK_: tl.constexpr):
+    """Pass 1 for (row, split): the best Gumbel score and its id, the online log-sum-exp of x, every chunk's
+    max x (cmax, for the filter's chunk skipping) and, for rows whose top-p total is the whole vocab, the
+    online sum of exp(x / T) (tm, ts)."""
     i = tl.program_id(0)
     sp = tl.program_id(1)
     row = tl.load(row_ids_ptr + i).to(tl.int64)
     key = tl.load(keys_ptr + i).to(tl.uint64, bitcast=True)
     temp = tl.load(temps_ptr + i)
+    top_k = tl.load(topk_ptr + i)
+    top_p = tl.load(topp_ptr + i)
     greedy = temp == 0.0
+    need_total = (temp > 0.0) & (top_p < 1.0) & ((top_k <= 0) | (top_k >= vocab))
     inv = tl.where(greedy, 1.0, temp)
     best = tl.full((), -float("inf"), tl.float64)
     best_id = tl.full((), 0, tl.int64)
     m = tl.full((), -float("inf"), tl.float64)
     s = tl.full((), 0.0, tl.float64)
+    tm = tl.full((), -float("inf"), tl.float64)
+    ts = tl.full((), 0.0, tl.float64)
     base = logits_ptr + row * row_stride
     start = sp * SPLIT_
     for c in range(0, SPLIT_, BLOCK_):
@@ -34,24 +42,36 @@ def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr,
         bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
         u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
         g = -tl.log(-tl.log(u))
-        score = tl.where(greedy, x, x / inv + g)
+        sv = x / inv
+        score = tl.where(greedy, x, sv + g)
         score = tl.where(ok, score, -float("inf"))
         cbest, carg = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         take = cbest > best
         best_id = tl.where(take, (start + c + carg).to(tl.int64), best_id)
         best = tl.where(take, cbest, best)
         cm = tl.max(x, axis=0)
+        chunk = (start + c) // BLOCK_
+        tl.store(cmax_ptr + i * n_chunks + chunk, cm.to(tl.float32), mask=chunk < n_chunks)
         m_new = tl.maximum(m, cm)
         alive = m_new > -float("inf")  # a chunk wholly past the vocab leaves (m, s) as they were
         m_safe = tl.where(alive, m_new, 0.0)
         e = tl.where(ok, tl.exp(x - m_safe), 0.0)
         s = tl.where(alive, s * tl.exp(m - m_safe) + tl.sum(e, axis=0), s)
         m = m_new
+        if need_total:  # the same online sum over s = x / T (max s = max x / T: division keeps the order)
+            tm_new = tl.maximum(tm, cm / inv)
+            alive_t = tm_new > -float("inf")
+            tm_safe = tl.where(alive_t, tm_new, 0.0)
+            et = tl.where(ok, tl.exp(sv - tm_safe), 0.0)
+            ts = tl.where(alive_t, ts * tl.exp(tm - tm_safe) + tl.sum(et, axis=0), ts)
+            tm = tm_new
     out = i * NUM_SPLITS + sp
     tl.store(best_ptr + out, best)
     tl.store(arg_ptr + out, best_id)
     tl.store(m_ptr + out, m)
     tl.store(s_ptr + out, s)
+    tl.store(tm_ptr + out, tm)
+    tl.store(ts_ptr + out, ts)
 
 @triton.jit
 def merge_kernel(logits_ptr, row_stride, row_ids_ptr, best_ptr, arg_ptr, m_ptr, s_ptr,
@@ -89,32 +109,51 @@ def _order_key(x):
 
 
 @triton.jit
-def _count_at_least(base, vocab, t, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+def _next_chunk(qual, cidx, after, NCHUNK_PAD: tl.constexpr):
+    """The first chunk index > after among those marked in qual (NCHUNK_PAD when none is left)."""
+    return tl.min(tl.where(qual & (cidx > after), cidx, NCHUNK_PAD), axis=0)
+
+
+@triton.jit
+def _count_at_least(base, vocab, t, ckey, cidx, NCHUNK_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    """The number of ids with key >= t, walking only the chunks whose max key reaches t."""
+    qual = ckey >= t
     n = tl.full((), 0, tl.int64)
-    for c0 in range(0, VOCAB_PAD, BLOCK_):
-        ids = c0 + tl.arange(0, BLOCK_)
+    j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
+    while j < NCHUNK_PAD:
+        ids = j * BLOCK_ + tl.arange(0, BLOCK_)
         x = tl.load(base + ids, mask=ids < vocab, other=-float("inf")).to(tl.float32)
         n += tl.sum(((_order_key(x) >= t) & (ids < vocab)).to(tl.int64), axis=0)
+        j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
     return n
 
 
 @triton.jit
-def _count_tied_upto(base, vocab, kkey, j, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+def _count_tied_upto(base, vocab, kkey, jid, ckey, cidx, NCHUNK_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+    """The number of ids <= jid whose key is kkey, walking only the chunks that can hold one."""
+    qual = (ckey >= kkey) & (cidx * BLOCK_ <= jid)
     n = tl.full((), 0, tl.int64)
-    for c0 in range(0, VOCAB_PAD, BLOCK_):
-        ids = c0 + tl.arange(0, BLOCK_)
+    j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
+    while j < NCHUNK_PAD:
+        ids = j * BLOCK_ + tl.arange(0, BLOCK_)
         x = tl.load(base + ids, mask=ids < vocab, other=-float("inf")).to(tl.float32)
-        n += tl.sum(((_order_key(x) == kkey) & (ids <= j) & (ids < vocab)).to(tl.int64), axis=0)
+        n += tl.sum(((_order_key(x) == kkey) & (ids <= jid) & (ids < vocab)).to(tl.int64), axis=0)
+        j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
     return n
 
 
 @triton.jit
-def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr, token_ptr, logprob_ptr, vocab,
-                  VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr, token_ptr, logprob_ptr,
+                  cmax_ptr, tm_ptr, ts_ptr, vocab, n_chunks, NUM_SPLITS: tl.constexpr,
+                  NCHUNK_PAD: tl.constexpr, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
     """Top-k / top-p / min-p for one row per program (engine.sampling's specification): the Gumbel argmax over
     the kept ids, found by rejection from the unfiltered argmax (token_ptr holds it on entry). The kept set
     is a prefix of the order (s desc, id asc), so when candidate c is not kept, no id at or after c is: the
-    next candidate is the best score strictly before c. The first id of the order is always kept."""
+    next candidate is the best score strictly before c. The first id of the order is always kept.
+
+    Every scan walks only the chunks that can hold an id it counts: a chunk whose max s (its max x from pass
+    1, divided by T; division keeps the order) is below the candidate's s holds no id before the candidate.
+    A skipped chunk would add exactly 0 to every count, mass and maximum, so skipping changes no bit."""
     i = tl.program_id(0)
     row = tl.load(params_ptr + 5 * n_rows + i)
     key = tl.load(params_ptr + i).to(tl.uint64, bitcast=True)
@@ -128,33 +167,52 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
     if (temp > 0.0) & (use_k | use_p | use_m):
         base = logits_ptr + row * row_stride
         s_max = tl.load(xmax_ptr + i) / temp
+        cidx = tl.arange(0, NCHUNK_PAD)
+        valid = cidx < n_chunks
+        cmx = tl.load(cmax_ptr + i * n_chunks + cidx, mask=valid, other=-float("inf"))
+        cms = cmx.to(tl.float64) / temp
+        ckey = tl.where(valid, _order_key(cmx).to(tl.int64), -2147483649)
         # the top-k set when top-p needs its total: ids with key > K, then the lowest ids with key == K
         kkey = tl.full((), -2147483648, tl.int64)
         jcut = tl.full((), 2147483647, tl.int64)
         if use_k & use_p:
-            lo = tl.full((), -2147483648, tl.int64)
-            hi = tl.full((), 2147483647, tl.int64)
+            # lo: a key at least k ids reach, stepping down from the max x by 1, 2, 4, ... (x - d reaches -inf,
+            # which every id reaches, so this ends); hi: the max key, which no id exceeds. The searches then only
+            # walk the chunks near the top.
+            hi = tl.max(ckey, axis=0)
+            x_top = tl.max(cmx, axis=0)
+            d = tl.full((), 1.0, tl.float32)
+            lo = _order_key(x_top - d).to(tl.int64)
+            while _count_at_least(base, vocab, lo, ckey, cidx, NCHUNK_PAD, BLOCK_) < top_k:
+                d = d * 2.0
+                lo = _order_key(x_top - d).to(tl.int64)
+            lo = tl.minimum(lo, hi)
             while lo < hi:  # the largest t with count(key >= t) >= k
                 mid = lo + (hi - lo + 1) // 2
-                if _count_at_least(base, vocab, mid, VOCAB_PAD, BLOCK_) >= top_k:
+                if _count_at_least(base, vocab, mid, ckey, cidx, NCHUNK_PAD, BLOCK_) >= top_k:
                     lo = mid
                 else:
                     hi = mid - 1
             kkey = lo
-            need = top_k - _count_at_least(base, vocab, kkey + 1, VOCAB_PAD, BLOCK_)
+            need = top_k - _count_at_least(base, vocab, kkey + 1, ckey, cidx, NCHUNK_PAD, BLOCK_)
             jlo = tl.full((), 0, tl.int64)
             jhi = tl.full((), VOCAB_PAD - 1, tl.int64)
             while jlo < jhi:  # the smallest id j with need tied ids <= j
                 jmid = (jlo + jhi) // 2
-                if _count_tied_upto(base, vocab, kkey, jmid, VOCAB_PAD, BLOCK_) >= need:
+                if _count_tied_upto(base, vocab, kkey, jmid, ckey, cidx, NCHUNK_PAD, BLOCK_) >= need:
                     jhi = jmid
                 else:
                     jlo = jmid + 1
             jcut = jlo
-        # Each candidate c is checked by one scan of the ids before it in the order (its rank and, for top-p,
-        # the mass before it; the first scan also sums the top-p total). Only a rejected candidate pays for a
-        # second scan, the Gumbel argmax of the ids before it. min-p alone needs no check scan.
+        # top-p over the whole vocab: its total from pass 1's online sums, merged in split order
         total = tl.full((), 0.0, tl.float64)
+        if use_p & (use_k == 0):
+            for sp in tl.static_range(NUM_SPLITS):
+                total += tl.load(ts_ptr + i * NUM_SPLITS + sp) * tl.exp(tl.load(tm_ptr + i * NUM_SPLITS + sp) - s_max)
+        # Each candidate c is checked by one scan of the ids before it in the order (its rank and, for top-p,
+        # the mass before it; with top-k and top-p the first scan also sums the total over the top-k set). Only a
+        # rejected candidate pays for a second scan, the Gumbel argmax of the ids before it. min-p alone needs no
+        # check scan.
         c = tl.load(token_ptr + i)
         first = tl.full((), 1, tl.int32)
         done = tl.full((), 0, tl.int32)
@@ -163,8 +221,11 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
             mass = tl.full((), 0.0, tl.float64)
             rank = tl.full((), 0, tl.int64)
             if use_k | use_p:
-                for c0 in range(0, VOCAB_PAD, BLOCK_):
-                    ids = c0 + tl.arange(0, BLOCK_)
+                sum_set = (first != 0) & use_k & use_p
+                qual = valid & ((cms >= sc) | (sum_set & (ckey >= kkey)))
+                j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
+                while j < NCHUNK_PAD:
+                    ids = j * BLOCK_ + tl.arange(0, BLOCK_)
                     ok = ids < vocab
                     x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
                     s = x.to(tl.float64) / temp
@@ -173,10 +234,11 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
                     if use_p:
                         w = tl.exp(s - s_max)
                         mass += tl.sum(tl.where(before, w, 0.0), axis=0)
-                        if first != 0:
+                        if sum_set:
                             k32 = _order_key(x).to(tl.int64)
-                            in_set = ok & ((use_k == 0) | (k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
+                            in_set = ok & ((k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
                             total += tl.sum(tl.where(in_set, w, 0.0), axis=0)
+                    j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
             first = 0
             kept = (((use_k == 0) | (rank < top_k)) & ((use_p == 0) | (mass < top_p * total))
                     & (sc - s_max >= log_min_p))
@@ -184,8 +246,10 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
             if done == 0:
                 nb = tl.full((), -float("inf"), tl.float64)
                 nb_id = tl.full((), 0, tl.int64)
-                for c0 in range(0, VOCAB_PAD, BLOCK_):
-                    ids = c0 + tl.arange(0, BLOCK_)
+                qual = valid & (cms >= sc) & (cms - s_max >= log_min_p)
+                j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
+                while j < NCHUNK_PAD:
+                    ids = j * BLOCK_ + tl.arange(0, BLOCK_)
                     ok = ids < vocab
                     s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
                     before = ok & ((s > sc) | ((s == sc) & (ids < c)))
@@ -194,8 +258,9 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
                     score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
                     cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
                     take = cb > nb
-                    nb_id = tl.where(take, (c0 + ca).to(tl.int64), nb_id)
+                    nb_id = tl.where(take, (j * BLOCK_ + ca).to(tl.int64), nb_id)
                     nb = tl.where(take, cb, nb)
+                    j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
                 c = nb_id
         tl.store(token_ptr + i, c)
         x_tok = tl.load(base + c).to(tl.float32).to(tl.float64)

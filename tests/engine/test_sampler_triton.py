@@ -44,8 +44,15 @@ PARAMS = [
     (1.0, 50, 0.9, 0.05, 3),       # 17 every filter, ties straddling the top-k cut
     (0.0, 5, 0.1, 0.5, None),      # 18 greedy ignores the filters
     (1.0, 0, 0.95, 0.0, None),     # 19 the usual chat setting
+    # 20-23: a language model's shape, a few high ids spread over the chunks and the rest far below, so the
+    # filter skips most chunks (engine.kernels.triton_sampler_kernels.filter_kernel)
+    (1.0, 0, 0.9, 0.0, None),      # 20 top-p
+    (1.0, 5, 1.0, 0.0, None),      # 21 top-k
+    (0.8, 0, 1.0, 0.2, None),      # 22 min-p
+    (1.0, 8, 0.7, 0.0, None),      # 23 top-k and top-p
 ]
-SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
+         23, 24, 25, 26]
 
 
 def _specs() -> list[tuple[SamplingParams, int, int]]:
@@ -65,6 +72,11 @@ def _logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
         for r in (16, 17):  # the 45th..54th largest values made equal: the cut at 50 falls inside the tie
             order = torch.argsort(x[r], descending=True, stable=True)
             x[r, order[44:54]] = x[r, order[44]].item()
+        for r in (20, 21, 22, 23):  # 12 high ids, one in every other 1024-id chunk, two of them tied
+            x[r] = x[r] / 3 - 12.0
+            high = torch.arange(12) * 1400 + 3 * r
+            x[r, high] = torch.linspace(6.0, 0.0, 12)
+            x[r, high[5]] = x[r, high[4]].item()
     return x
 
 
