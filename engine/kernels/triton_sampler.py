@@ -9,14 +9,16 @@ Numerics (fixed, batch-invariant, named in the runtime fingerprint as `SAMPLER_I
     pass 1  program (row, s):   walks its split in BLOCK-wide chunks, in order, keeping
                                 best score + first id reaching it   score = x / T + g(seed, pos, id)  (x if T = 0)
                                 running max m and sum s of exp(x - m)   (online log-sum-exp, float64)
-                                every chunk's max x (for the filter)
+                                every chunk's max x, best score and its id (for the filter)
                                 top-p rows without top-k: running max and sum of exp(x / T - max)  (the top-p
                                 total, online, float64)
     pass 2  program (row):      merges splits 0..S-1 in order (strict '>' keeps the lowest id on ties),
                                 lse = M + log(sum_s s_s * exp(m_s - M)); logprob = float32(x[token] - lse)
     filter  program (row):      rows with top-k / top-p / min-p: rejection from the unfiltered argmax, walking
-                                the row's BLOCK-wide chunks in order (engine.sampling's specification), only
-                                those whose max can hold an id the scan counts; other rows return at once
+                                the row's BLOCK-wide chunks (engine.sampling's specification), only those
+                                whose max can hold an id the scan counts, the mass before a candidate summed
+                                in the order of the chunks' max and the scan stopped once it rejects; other
+                                rows return at once
     top-n   program (row):      rows asking for top logprobs: n ordered passes (x desc, id asc)
 
 A row's result depends only on its own logits, seed, position and parameters — never on the batch, the row's
@@ -46,7 +48,7 @@ SPLIT = 8192        # vocab ids per pass-1 program (multiple of BLOCK)
 BLOCK = 1024        # ids per chunk inside a program
 NUM_WARPS = 4
 FILTER_BLOCK = BLOCK  # ids per chunk of the filter and top-n programs: pass 1's chunks, whose maxima it skips by
-SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}-filter{FILTER_BLOCK}-toptotal1"
+SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}-filter{FILTER_BLOCK}-chunked2"
 # rows of the packed parameter tensor
 P_KEY, P_TEMP, P_TOP_K, P_TOP_P, P_LOG_MIN_P, P_ROW, P_TOP_N = range(7)
 PARAM_ROWS = 7
@@ -109,6 +111,8 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, fi
     ts = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
     n_chunks = triton.cdiv(vocab, BLOCK)
     cmax = torch.empty(n * n_chunks, dtype=torch.float32, device=dev)
+    cbest = torch.empty(n * n_chunks, dtype=torch.float64, device=dev)
+    cid = torch.empty(n * n_chunks, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     logprob = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float64, device=dev)
@@ -120,14 +124,14 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, fi
     pad = triton.cdiv(vocab, FILTER_BLOCK) * FILTER_BLOCK
     row_ids, keys, temps = params[P_ROW], params[P_KEY], params[P_TEMP].view(torch.float64)
     k.split_kernel[(n, num_splits)](logits, logits.stride(0), row_ids, keys, temps, params[P_TOP_K],
-                                    params[P_TOP_P].view(torch.float64), best, arg, m, s, tm, ts, cmax, vocab,
-                                    n_chunks, NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK,
+                                    params[P_TOP_P].view(torch.float64), best, arg, m, s, tm, ts, cmax, cbest, cid,
+                                    vocab, n_chunks, NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK,
                                     num_warps=NUM_WARPS)
     k.merge_kernel[(n,)](logits, logits.stride(0), row_ids, best, arg, m, s, token, logprob, lse, xmax,
                          NUM_SPLITS=num_splits, num_warps=1)
     if filtered:  # the filtered rows' tokens and logprobs replace the unfiltered ones in place
-        k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, cmax, tm, ts, vocab,
-                              n_chunks, NUM_SPLITS=num_splits, NCHUNK_PAD=triton.next_power_of_2(n_chunks),
+        k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, cmax, cbest, cid,
+                              tm, ts, vocab, n_chunks, NUM_SPLITS=num_splits, NCHUNK_PAD=triton.next_power_of_2(n_chunks),
                               VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
     if top_n:
         k.top_logprobs_kernel[(n,)](logits, logits.stride(0), params, n, lse, top_ids, top_lps, vocab,

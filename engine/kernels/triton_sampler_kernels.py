@@ -12,11 +12,11 @@ def _mix(z):
 
 @triton.jit
 def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr, topk_ptr, topp_ptr,
-                 best_ptr, arg_ptr, m_ptr, s_ptr, tm_ptr, ts_ptr, cmax_ptr, vocab, n_chunks,
+                 best_ptr, arg_ptr, m_ptr, s_ptr, tm_ptr, ts_ptr, cmax_ptr, cbest_ptr, cid_ptr, vocab, n_chunks,
                  NUM_SPLITS: tl.constexpr, SPLIT_: tl.constexpr, BLOCK_: tl.constexpr):
     """Pass 1 for (row, split): the best Gumbel score and its id, the online log-sum-exp of x, every chunk's
-    max x (cmax, for the filter's chunk skipping) and, for rows whose top-p total is the whole vocab, the
-    online sum of exp(x / T) (tm, ts)."""
+    max x, best score and the first id reaching it (cmax, cbest, cid: for the filter) and, for rows whose
+    top-p total is the whole vocab, the online sum of exp(x / T) (tm, ts)."""
     i = tl.program_id(0)
     sp = tl.program_id(1)
     row = tl.load(row_ids_ptr + i).to(tl.int64)
@@ -51,7 +51,10 @@ def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr, topk_
         best = tl.where(take, cbest, best)
         cm = tl.max(x, axis=0)
         chunk = (start + c) // BLOCK_
-        tl.store(cmax_ptr + i * n_chunks + chunk, cm.to(tl.float32), mask=chunk < n_chunks)
+        here = chunk < n_chunks
+        tl.store(cmax_ptr + i * n_chunks + chunk, cm.to(tl.float32), mask=here)
+        tl.store(cbest_ptr + i * n_chunks + chunk, cbest, mask=here)
+        tl.store(cid_ptr + i * n_chunks + chunk, (start + c + carg).to(tl.int64), mask=here)
         m_new = tl.maximum(m, cm)
         alive = m_new > -float("inf")  # a chunk wholly past the vocab leaves (m, s) as they were
         m_safe = tl.where(alive, m_new, 0.0)
@@ -144,7 +147,7 @@ def _count_tied_upto(base, vocab, kkey, jid, ckey, cidx, NCHUNK_PAD: tl.constexp
 
 @triton.jit
 def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr, token_ptr, logprob_ptr,
-                  cmax_ptr, tm_ptr, ts_ptr, vocab, n_chunks, NUM_SPLITS: tl.constexpr,
+                  cmax_ptr, cbest_ptr, cid_ptr, tm_ptr, ts_ptr, vocab, n_chunks, NUM_SPLITS: tl.constexpr,
                   NCHUNK_PAD: tl.constexpr, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
     """Top-k / top-p / min-p for one row per program (engine.sampling's specification): the Gumbel argmax over
     the kept ids, found by rejection from the unfiltered argmax (token_ptr holds it on entry). The kept set
@@ -153,7 +156,8 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
 
     Every scan walks only the chunks that can hold an id it counts: a chunk whose max s (its max x from pass
     1, divided by T; division keeps the order) is below the candidate's s holds no id before the candidate.
-    A skipped chunk would add exactly 0 to every count, mass and maximum, so skipping changes no bit."""
+    The mass before a candidate is summed chunk by chunk in a fixed order (the chunks' max desc), so a scan
+    that has rejected the candidate stops without changing the outcome."""
     i = tl.program_id(0)
     row = tl.load(params_ptr + 5 * n_rows + i)
     key = tl.load(params_ptr + i).to(tl.uint64, bitcast=True)
@@ -204,63 +208,77 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
                 else:
                     jlo = jmid + 1
             jcut = jlo
-        # top-p over the whole vocab: its total from pass 1's online sums, merged in split order
+        # the top-p total: over the whole vocab from pass 1's online sums, merged in split order; over the top-k
+        # set by one walk of the chunks that reach its smallest key, in order
         total = tl.full((), 0.0, tl.float64)
         if use_p & (use_k == 0):
             for sp in tl.static_range(NUM_SPLITS):
                 total += tl.load(ts_ptr + i * NUM_SPLITS + sp) * tl.exp(tl.load(tm_ptr + i * NUM_SPLITS + sp) - s_max)
-        # Each candidate c is checked by one scan of the ids before it in the order (its rank and, for top-p,
-        # the mass before it; with top-k and top-p the first scan also sums the total over the top-k set). Only a
-        # rejected candidate pays for a second scan, the Gumbel argmax of the ids before it. min-p alone needs no
-        # check scan.
+        if use_p & use_k:
+            qual = valid & (ckey >= kkey)
+            j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
+            while j < NCHUNK_PAD:
+                ids = j * BLOCK_ + tl.arange(0, BLOCK_)
+                ok = ids < vocab
+                x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
+                k32 = _order_key(x).to(tl.int64)
+                in_set = ok & ((k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
+                total += tl.sum(tl.where(in_set, tl.exp(x.to(tl.float64) / temp - s_max), 0.0), axis=0)
+                j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
+        cbv = tl.load(cbest_ptr + i * n_chunks + cidx, mask=valid, other=-float("inf"))
+        civ = tl.load(cid_ptr + i * n_chunks + cidx, mask=valid, other=0)
+        # Check candidate c: its rank and the mass before it, summed over the chunks that can hold an id before
+        # it, in the order of their max (desc, lower chunk first on ties); rank and mass only grow, so the
+        # scan stops as soon as either rejects c. min-p alone needs no scan.
         c = tl.load(token_ptr + i)
-        first = tl.full((), 1, tl.int32)
         done = tl.full((), 0, tl.int32)
         while done == 0:
             sc = tl.load(base + c).to(tl.float32).to(tl.float64) / temp
-            mass = tl.full((), 0.0, tl.float64)
-            rank = tl.full((), 0, tl.int64)
-            if use_k | use_p:
-                sum_set = (first != 0) & use_k & use_p
-                qual = valid & ((cms >= sc) | (sum_set & (ckey >= kkey)))
-                j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
-                while j < NCHUNK_PAD:
-                    ids = j * BLOCK_ + tl.arange(0, BLOCK_)
-                    ok = ids < vocab
-                    x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32)
-                    s = x.to(tl.float64) / temp
-                    before = ok & ((s > sc) | ((s == sc) & (ids < c)))
-                    rank += tl.sum(before.to(tl.int64), axis=0)
-                    if use_p:
-                        w = tl.exp(s - s_max)
-                        mass += tl.sum(tl.where(before, w, 0.0), axis=0)
-                        if sum_set:
-                            k32 = _order_key(x).to(tl.int64)
-                            in_set = ok & ((k32 > kkey) | ((k32 == kkey) & (ids <= jcut)))
-                            total += tl.sum(tl.where(in_set, w, 0.0), axis=0)
-                    j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
-            first = 0
-            kept = (((use_k == 0) | (rank < top_k)) & ((use_p == 0) | (mass < top_p * total))
-                    & (sc - s_max >= log_min_p))
-            done = kept.to(tl.int32)
-            if done == 0:
-                nb = tl.full((), -float("inf"), tl.float64)
-                nb_id = tl.full((), 0, tl.int64)
-                qual = valid & (cms >= sc) & (cms - s_max >= log_min_p)
-                j = _next_chunk(qual, cidx, -1, NCHUNK_PAD)
-                while j < NCHUNK_PAD:
+            rejected = (sc - s_max < log_min_p).to(tl.int32)
+            if (use_k | use_p) & (rejected == 0):
+                mass = tl.full((), 0.0, tl.float64)
+                rank = tl.full((), 0, tl.int64)
+                todo = valid & (cms >= sc)
+                while (tl.sum(todo.to(tl.int32), axis=0) > 0) & (rejected == 0):
+                    _, j = tl.max(tl.where(todo, cms, -float("inf")), axis=0, return_indices=True,
+                                  return_indices_tie_break_left=True)
+                    todo = todo & (cidx != j)
                     ids = j * BLOCK_ + tl.arange(0, BLOCK_)
                     ok = ids < vocab
                     s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
                     before = ok & ((s > sc) | ((s == sc) & (ids < c)))
-                    bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
-                    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-                    score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
-                    cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
-                    take = cb > nb
-                    nb_id = tl.where(take, (j * BLOCK_ + ca).to(tl.int64), nb_id)
-                    nb = tl.where(take, cb, nb)
-                    j = _next_chunk(qual, cidx, j, NCHUNK_PAD)
+                    rank += tl.sum(before.to(tl.int64), axis=0)
+                    if use_p:
+                        mass += tl.sum(tl.where(before, tl.exp(s - s_max), 0.0), axis=0)
+                    rejected = ((use_k & (rank >= top_k)) | (use_p & (mass >= top_p * total))).to(tl.int32)
+            done = 1 - rejected
+            if rejected != 0:
+                # The next candidate: the best score among the ids before c that pass min-p. A chunk whose best
+                # id (pass 1) is one of them gives its answer at once; the others are walked only while their
+                # best score can still win (score desc, lower id first on ties).
+                qual = valid & (cms >= sc) & (cms - s_max >= log_min_p)
+                sb = tl.load(base + civ, mask=valid, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
+                elig = qual & ((sb > sc) | ((sb == sc) & (civ < c))) & (sb - s_max >= log_min_p)
+                nb, nj = tl.max(tl.where(elig, cbv, -float("inf")), axis=0, return_indices=True,
+                                return_indices_tie_break_left=True)
+                nb_id = tl.sum(tl.where(cidx == nj, civ, 0), axis=0)
+                rest = qual & (elig == 0)
+                j = _next_chunk(rest, cidx, -1, NCHUNK_PAD)
+                while j < NCHUNK_PAD:
+                    if tl.load(cbest_ptr + i * n_chunks + j) >= nb:
+                        ids = j * BLOCK_ + tl.arange(0, BLOCK_)
+                        ok = ids < vocab
+                        s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
+                        before = ok & ((s > sc) | ((s == sc) & (ids < c)))
+                        bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
+                        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+                        score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
+                        cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
+                        cid = (j * BLOCK_ + ca).to(tl.int64)
+                        take = (cb > nb) | ((cb == nb) & (cb > -float("inf")) & (cid < nb_id))
+                        nb_id = tl.where(take, cid, nb_id)
+                        nb = tl.where(take, cb, nb)
+                    j = _next_chunk(rest, cidx, j, NCHUNK_PAD)
                 c = nb_id
         tl.store(token_ptr + i, c)
         x_tok = tl.load(base + c).to(tl.float32).to(tl.float64)

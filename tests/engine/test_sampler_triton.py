@@ -50,9 +50,14 @@ PARAMS = [
     (1.0, 5, 1.0, 0.0, None),      # 21 top-k
     (0.8, 0, 1.0, 0.2, None),      # 22 min-p
     (1.0, 8, 0.7, 0.0, None),      # 23 top-k and top-p
+    # 24-26: two ids on top and 64 just below (four per chunk), so the unfiltered draw mostly falls below the
+    # min-p cut and the next candidate is searched chunk by chunk
+    (1.0, 0, 1.0, 0.5, None),      # 24 min-p
+    (1.0, 0, 1.0, 0.5, None),      # 25 the same, another seed
+    (1.0, 0, 0.5, 0.3, 1),         # 26 top-p and min-p
 ]
 SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
-         23, 24, 25, 26]
+         23, 24, 25, 26, 27, 28, 29]
 
 
 def _specs() -> list[tuple[SamplingParams, int, int]]:
@@ -77,6 +82,10 @@ def _logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
             high = torch.arange(12) * 1400 + 3 * r
             x[r, high] = torch.linspace(6.0, 0.0, 12)
             x[r, high[5]] = x[r, high[4]].item()
+        for r in (24, 25, 26):
+            x[r] = x[r] / 3 - 12.0
+            x[r, torch.arange(64) * 256 + 5 * r] = 3.5
+            x[r, [1030, 9000]] = 5.0
     return x
 
 
