@@ -277,15 +277,18 @@ def patch_lang_once(original):  # noqa: ANN001, ANN201 (triton internals)
     return patch_lang
 
 
-def skip_discarded_interpreter_work() -> None:
-    """Two costs of Triton 3.6's interpreter that change no result, about a third of an interpreted launch:
+def interpreter_shortcuts() -> None:
+    """Three costs of Triton 3.6's interpreter that change no result, about half of an interpreted launch:
 
     - `InterpreterOptions.sanitize_overflow` is True, so every 32-bit integer add, sub and mul is redone in
       int64 and compared with the type's range, only to reach `device_assert`, which returns at once
       because the interpreter's `debug` is False (it is never set). Turned off while `debug` is off: the
       comparison was computed and thrown away, so no check is lost.
     - `_get_np_dtype` builds its 19-entry type table on every call (every tensor handle made); the same
-      lookup against a table built once."""
+      lookup against a table built once.
+    - Every `tl.tuple` (the shape of each tensor made) formats its `tuple_type`, a name string over its
+      values, when built, and most are never asked for it; here the type is built from the values on first
+      use. The values are not changed in between: `tuple._setitem`, the one writer, sets the type itself."""
     import dataclasses
 
     import numpy as np
@@ -313,12 +316,34 @@ def skip_discarded_interpreter_work() -> None:
 
     interpreter._get_np_dtype = get_np_dtype
 
+    core = tl.core
+
+    def tuple_init(self, args, type=None):  # noqa: ANN001, ANN202, A002 (triton.language.core.tuple.__init__)
+        self.values = list(args)
+        if isinstance(type, core.tuple_type):
+            self._type = type
+        elif type is not None:
+            self._type = core.tuple_type(type)
+        else:
+            self._type = None  # _type_for_tuple_values(self.values), made on first use
+
+    def tuple_type_of(self):  # noqa: ANN001, ANN202
+        if self._type is None:
+            self._type = core._type_for_tuple_values(self.values)
+        return self._type
+
+    def set_tuple_type(self, value):  # noqa: ANN001, ANN202
+        self._type = value
+
+    core.tuple.__init__ = tuple_init
+    core.tuple.type = property(tuple_type_of, set_tuple_type)
+
 
 def patch_interpreter() -> None:
     """The interpreter patches every TRITON_INTERPRET=1 check of these tests runs under."""
     _patch_interpreter_index()
     _patch_interpreter_dot()
-    skip_discarded_interpreter_work()
+    interpreter_shortcuts()
     from triton.runtime import interpreter
 
     interpreter._patch_lang = patch_lang_once(interpreter._patch_lang)
