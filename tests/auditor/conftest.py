@@ -143,18 +143,22 @@ class _Server(uvicorn.Server):
         self.should_exit = True
         loop, wake = self._loop, self._wake
         if loop is not None and wake is not None:
-            loop.call_soon_threadsafe(wake.set)
+            with suppress(RuntimeError):  # the loop closed meanwhile: the server has stopped already
+                loop.call_soon_threadsafe(wake.set)
 
     async def main_loop(self) -> None:
         self._wake = asyncio.Event()
         self._loop = asyncio.get_running_loop()
-        counter = 0
-        should_exit = await self.on_tick(counter)
-        while not should_exit:
-            counter = (counter + 1) % 864000
-            with suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 0.1)
+        try:
+            counter = 0
             should_exit = await self.on_tick(counter)
+            while not should_exit:
+                counter = (counter + 1) % 864000
+                with suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), 0.1)
+                should_exit = await self.on_tick(counter)
+        finally:
+            self._loop = self._wake = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         logging.getLogger("uvicorn.error").info("Shutting down")
