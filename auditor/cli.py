@@ -29,8 +29,8 @@ BOOTSTRAP_TENANT = "default"
 
 Command = tuple[str, str, Callable[[argparse.ArgumentParser], None]]
 
-# The database layer (SQLAlchemy, the API's error types, Alembic) is imported by the commands that use it:
-# `verbatim verify`, `monitor` or `witness` start in a fifth of a second instead of most of one.
+# The database layer (SQLAlchemy, the API's error types, Alembic) and httpx are imported by the commands
+# that use them, so that `verbatim verify`, `monitor` or `witness` start in about a fifth of a second.
 
 
 # --- serve -----------------------------------------------------------------------------------------
