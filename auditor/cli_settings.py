@@ -15,7 +15,6 @@ from typing import Any
 
 from auditor.cosignature import CosignerKey
 from auditor.crypto import KeyRing
-from auditor.db import migrate
 from auditor.settings import ENV_PREFIX, Settings, _witness_list
 from engine.cli import json_object
 
@@ -95,6 +94,8 @@ def settings_from(args: argparse.Namespace, env: dict[str, str] | None = None) -
 
 def prepare_storage(settings: Settings) -> None:
     """Create the data directory, migrate the database to head, create missing signing keys."""
+    from auditor.db import migrate  # Alembic: only the commands that keep a database import it
+
     settings.data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     migrate.upgrade(settings.resolved_database_url, schema=settings.database_schema)
     KeyRing.open(settings.keys_dir)

@@ -26,14 +26,15 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from auditor.checkpoint import Checkpoint, CheckpointError, verify_checkpoint
 from auditor.cli_settings import read_jwks, settings_from, witness_flags, witness_keys_from
 from auditor.cosignature import CosignatureError, CosignerKey, check_quorum
 from auditor.merkle import ConsistencyProof, ProofError, verify_consistency
+
+if TYPE_CHECKING:  # imported where a monitor runs: every `verbatim` command builds this one's parser
+    import httpx
 
 
 class Inconsistent(Exception):
@@ -115,6 +116,8 @@ class Monitor:
                                evidence) from None
 
     def _get(self, path: str, params: Mapping[str, Any]) -> httpx.Response:
+        import httpx
+
         try:
             response = self.client.get(self.url + path, params=dict(params))
         except httpx.HTTPError as exc:
@@ -163,6 +166,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import httpx
+
     try:
         jwks = read_jwks(args.jwks)
         witnesses, quorum = witness_keys_from(args, settings_from(args))

@@ -30,6 +30,7 @@ from sqlalchemy import (
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from auditor.roles import Role as Role  # the column type of api_keys.role
 from auditor.transcript import Status as TranscriptStatus  # the signed statuses are the stored ones
 
 NAMING_CONVENTION = {
@@ -60,12 +61,6 @@ class Utf8Text(TypeDecorator[str]):
 
     def process_result_value(self, value: bytes | None, dialect: Dialect) -> str | None:
         return None if value is None else bytes(value).decode("utf-8")
-
-
-class Role(str, enum.Enum):
-    CLIENT = "client"
-    AUDITOR = "auditor"
-    ADMIN = "admin"
 
 
 class LeafKind(str, enum.Enum):

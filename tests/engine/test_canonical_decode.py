@@ -277,10 +277,73 @@ def patch_lang_once(original):  # noqa: ANN001, ANN201 (triton internals)
     return patch_lang
 
 
+def interpreter_shortcuts() -> None:
+    """Three costs of Triton 3.6's interpreter that change no result, about half of an interpreted launch:
+
+    - `InterpreterOptions.sanitize_overflow` is True, so every 32-bit integer add, sub and mul is redone in
+      int64 and compared with the type's range, only to reach `device_assert`, which returns at once
+      because the interpreter's `debug` is False (it is never set). Turned off while `debug` is off: the
+      comparison was computed and thrown away, so no check is lost.
+    - `_get_np_dtype` builds its 19-entry type table on every call (every tensor handle made); the same
+      lookup against a table built once.
+    - Every `tl.tuple` (the shape of each tensor made) formats its `tuple_type`, a name string over its
+      values, when built, and most are never asked for it; here the type is built from the values on first
+      use. The values are not changed in between: `tuple._setitem`, the one writer, sets the type itself."""
+    import dataclasses
+
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.interpreter_builder
+    if not builder.options.debug:
+        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+
+    original = interpreter._get_np_dtype
+    table = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
+                                      tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64, tl.bfloat16, tl.float8e5,
+                                      tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15)}
+    pointer = np.dtype(np.uint64)
+
+    def get_np_dtype(tt_dtype):  # noqa: ANN001, ANN202 (triton internals)
+        if isinstance(tt_dtype, tl.pointer_type):
+            return pointer
+        if isinstance(tt_dtype, tl.block_type):
+            tt_dtype = tt_dtype.element_ty
+            if isinstance(tt_dtype, tl.pointer_type):
+                return pointer
+        return table[tt_dtype]
+
+    interpreter._get_np_dtype = get_np_dtype
+
+    core = tl.core
+
+    def tuple_init(self, args, type=None):  # noqa: ANN001, ANN202, A002 (triton.language.core.tuple.__init__)
+        self.values = list(args)
+        if isinstance(type, core.tuple_type):
+            self._type = type
+        elif type is not None:
+            self._type = core.tuple_type(type)
+        else:
+            self._type = None  # _type_for_tuple_values(self.values), made on first use
+
+    def tuple_type_of(self):  # noqa: ANN001, ANN202
+        if self._type is None:
+            self._type = core._type_for_tuple_values(self.values)
+        return self._type
+
+    def set_tuple_type(self, value):  # noqa: ANN001, ANN202
+        self._type = value
+
+    core.tuple.__init__ = tuple_init
+    core.tuple.type = property(tuple_type_of, set_tuple_type)
+
+
 def patch_interpreter() -> None:
     """The interpreter patches every TRITON_INTERPRET=1 check of these tests runs under."""
     _patch_interpreter_index()
     _patch_interpreter_dot()
+    interpreter_shortcuts()
     from triton.runtime import interpreter
 
     interpreter._patch_lang = patch_lang_once(interpreter._patch_lang)

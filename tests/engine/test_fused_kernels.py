@@ -38,13 +38,21 @@ DTYPES = [torch.float32, torch.float16]
 @pytest.fixture(scope="module")
 def tf() -> Iterator[ModuleType]:
     """triton_fused, interpreted; installed as engine.kernels.triton_fused for the model-level tests."""
-    from tests.engine.test_canonical_decode import patch_lang_once
+    from tests.engine.test_canonical_decode import interpreter_shortcuts, patch_lang_once
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TRITON_INTERPRET", "1")
         from triton.runtime import interpreter
 
         mp.setattr(interpreter, "_patch_lang", patch_lang_once(interpreter._patch_lang))
+        # restored on exit like the rest: the attributes interpreter_shortcuts replaces
+        import triton.language as tl
+
+        mp.setattr(interpreter.interpreter_builder, "options", interpreter.interpreter_builder.options)
+        mp.setattr(interpreter, "_get_np_dtype", interpreter._get_np_dtype)
+        mp.setattr(tl.core.tuple, "__init__", tl.core.tuple.__init__)
+        mp.setattr(tl.core.tuple, "type", None, raising=False)
+        interpreter_shortcuts()
         spec = importlib.util.spec_from_file_location("engine.kernels.triton_fused", _SOURCE)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
