@@ -161,6 +161,9 @@ class _Server(uvicorn.Server):
             self._loop = self._wake = None
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if not hasattr(self, "_wait_tasks_to_complete"):  # another uvicorn than this copy follows: its own
+            await super().shutdown(sockets)
+            return
         logging.getLogger("uvicorn.error").info("Shutting down")
         for server in self.servers:
             server.close()

@@ -18,8 +18,9 @@ Three runs, each one engine:
   function of the workload, so its bits are too.
 - `batch_invariant`: a short batch in the batch-invariant mode (its own tile kernels on the CPU).
 
-CPU GEMM blocking follows the instruction set, so the bits hold for the machine class named in the fixture;
-elsewhere the test skips and says how to regenerate.
+CPU GEMM blocking follows the instruction set, so the bits hold for the machine class named in a fixture:
+`golden/` holds one fixture per machine class (`smollm2_cpu*.json`, each naming its environment) and the test
+takes the one made on this class; where none is, it skips and says how to write one.
 """
 from __future__ import annotations
 
@@ -37,7 +38,23 @@ from engine.fingerprint import cpu_isa_flags
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
 
-FIXTURE = Path(__file__).parent / "golden" / "smollm2_cpu.json"
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def fixture_for(env: dict[str, Any]) -> Path | None:
+    """The fixture made on the machine class `env`, if there is one."""
+    for path in sorted(GOLDEN.glob("smollm2_cpu*.json")):
+        if json.loads(path.read_text())["environment"] == env:
+            return path
+    return None
+
+
+def new_fixture_path(env: dict[str, Any]) -> Path:
+    """Where `--write` puts the fixture of a machine class that has none yet: named by its environment."""
+    import hashlib
+
+    digest = hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:10]
+    return GOLDEN / f"smollm2_cpu-{digest}.json"
 
 TEXTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):", "Roses are red,",
          "2 + 2 =", "The quick brown fox", "List three prime numbers:", "In 1969, the first humans"]
@@ -126,11 +143,12 @@ def golden(make_llm: Any, tokenizer: Any) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def expected() -> dict[str, Any]:
-    data = json.loads(FIXTURE.read_text())
-    if data["environment"] != environment():
-        pytest.skip(f"golden bits were made on {data['environment']}, this is {environment()}; "
-                    "regenerate with `python -m tests.engine.test_golden_bits --write`")
-    return data
+    path = fixture_for(environment())
+    if path is None:
+        made = [json.loads(p.read_text())["environment"] for p in sorted(GOLDEN.glob("smollm2_cpu*.json"))]
+        pytest.skip(f"golden bits were made on {made}, this is {environment()}; "
+                    "write this machine's with `python -m tests.engine.test_golden_bits --write`")
+    return json.loads(path.read_text())
 
 
 @pytest.mark.parametrize("run", list(RUNS))
@@ -161,7 +179,8 @@ def dump(data: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write the golden-bits fixture from this tree's engine.")
-    parser.add_argument("--write", action="store_true", help=f"write {FIXTURE.name} (else print it)")
+    parser.add_argument("--write", action="store_true",
+                        help="write this machine class's fixture under golden/ (else print it)")
     args = parser.parse_args(argv)
     from engine.config import EngineConfig
     from engine.llm import LLM
@@ -184,8 +203,11 @@ def main(argv: list[str] | None = None) -> int:
 
     text = dump(golden(make, source.tokenizer))
     if args.write:
-        FIXTURE.parent.mkdir(exist_ok=True)
-        FIXTURE.write_text(text)
+        env = environment()
+        path = fixture_for(env) or new_fixture_path(env)
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}", file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

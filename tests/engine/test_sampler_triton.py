@@ -55,9 +55,12 @@ PARAMS = [
     (1.0, 0, 1.0, 0.5, None),      # 24 min-p
     (1.0, 0, 1.0, 0.5, None),      # 25 the same, another seed
     (1.0, 0, 0.5, 0.3, 1),         # 26 top-p and min-p
+    # 27-28: a grammar mask (engine.processors) left most ids at -inf, whole chunks of them
+    (1.0, 0, 0.9, 0.1, 3),         # 27 top-p and min-p
+    (1.0, 3, 0.8, 0.0, None),      # 28 top-k and top-p
 ]
 SEEDS = [0, (1 << 64) - 5, 123, 1 << 63, 7, 99, 2**40 + 3, 5, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22,
-         23, 24, 25, 26, 27, 28, 29]
+         23, 24, 25, 26, 27, 28, 29, 30, 31]
 
 
 def _specs() -> list[tuple[SamplingParams, int, int]]:
@@ -86,6 +89,10 @@ def _logits(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
             x[r] = x[r] / 3 - 12.0
             x[r, torch.arange(64) * 256 + 5 * r] = 3.5
             x[r, [1030, 9000]] = 5.0
+        for r in (27, 28):
+            keep = x[r, [5, 6, 1500, 1501, 9000, 16400]].clone()
+            x[r] = -float("inf")
+            x[r, [5, 6, 1500, 1501, 9000, 16400]] = keep
     return x
 
 
