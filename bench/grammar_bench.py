@@ -10,7 +10,11 @@ For xgrammar and llguidance, on SmolLM2's tokenizer (49152 ids), host only:
   would emit it (then EOS): the time to fill the
   next-token bitmask (mask_us: mean, p50, p99, max) and to accept the token (accept_us);
 - verify_walk_us: a DVR verify window of 8 candidates: roll back 8 tokens, then fill a mask and accept a
-  token 8 times (what the engine does per verified row).
+  token 8 times (what the library does per verified row).
+And the engine's own path (engine.grammar.GrammarState and fill_masks, xgrammar) along the same instances: a
+fast-path mask per token and, after every 8, the verify window of those 8 slots in one fill_masks call
+(verify_window_8_us), with the masks the fast path filled kept (`kept`, the engine) and dropped first
+(`refilled`).
 Writes DIR/grammar-bench.json (command, versions, machine, date).
 """
 from __future__ import annotations
@@ -190,6 +194,38 @@ def measure(lib: Any, tokenizer: Any, eos: int, repeats: int) -> dict[str, Any]:
     return out
 
 
+def engine_walk(source: Any, vocab: int, eos: list[int], repeats: int) -> dict[str, Any]:
+    import random
+
+    from engine.grammar import GrammarSpec, GrammarState, compile_grammar, fill_masks, tokenizer_info
+
+    info = tokenizer_info(source.tokenizer, vocab, eos)
+    out: dict[str, Any] = {}
+    for name, schema in SCHEMAS.items():
+        compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(schema)), info)
+        body = list(source.tokenizer.encode(json.dumps(INSTANCES[name]), add_special_tokens=False))
+        entry: dict[str, Any] = {"instance_tokens": len(body)}
+        runs = [kept for kept in (True, False) for _ in range(repeats)]
+        random.Random(0).shuffle(runs)  # the two variants interleaved
+        walks: dict[bool, list[float]] = {True: [], False: []}
+        for kept in runs:
+            state = GrammarState(compiled, info)
+            one = torch.zeros((1, info.words), dtype=torch.int32)
+            window = torch.zeros((8, info.words), dtype=torch.int32)
+            for n in range(len(body)):
+                state.fill(body, n, one, 0)  # the fast path: the slot after body[:n]
+                if (n + 1) % 8 == 0:  # the verify pass of the 8 slots ending here
+                    if not kept:
+                        state.masks.clear()
+                    start = n + 1 - 8
+                    t0 = time.perf_counter()
+                    fill_masks([(state, body, start + j, start, j) for j in range(8)], window)
+                    walks[kept].append(time.perf_counter() - t0)
+        entry["verify_window_8_us"] = {"kept": summary_us(walks[True]), "refilled": summary_us(walks[False])}
+        out[name] = entry
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
@@ -212,6 +248,8 @@ def main(argv: list[str] | None = None) -> None:
         lib = cls(tokenizer, vocab, eos, a.threads)
         results["libraries"][cls.name] = measure(lib, tokenizer, eos[0], a.repeats)
         print(cls.name, json.dumps(results["libraries"][cls.name], indent=1), flush=True)
+    results["engine_grammar_state"] = engine_walk(source, vocab, eos, a.repeats)
+    print("engine", json.dumps(results["engine_grammar_state"], indent=1), flush=True)
     write_result(results, a.out, "grammar-bench")
 
 

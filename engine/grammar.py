@@ -216,6 +216,11 @@ class GrammarState:
         self.ids: list[int] = []         # the outputs the matcher was fed, in order
         self.accepted: list[bool] = []   # whether it accepted each (a skipped one is not rolled back)
         self.fixed = 0                   # ids[:fixed] are committed outputs: they never change
+        # Masks already filled, by prefix length n: masks[n] is the mask after trail[:n]. `trail` is the
+        # longest sequence fed since it last diverged (ids is always a prefix of it), so a rollback of the
+        # matcher keeps the masks past it: a verify window asks again for the prefixes the fast path filled.
+        self.trail: list[int] = []
+        self.masks: dict[int, torch.Tensor] = {}
 
     def fill(self, outputs: Sequence[int], n: int, bitmask: torch.Tensor, row: int, committed: int = 0) -> None:
         """bitmask[row] (int32 words, bit v of word v // 32 = token v allowed) for the output slot after
@@ -225,7 +230,11 @@ class GrammarState:
     def follow(self, outputs: Sequence[int], n: int, committed: int = 0) -> bool:
         """Move the state to outputs[:n]; True when it has accepted the stop token (only stop tokens follow)."""
         self._follow(outputs, n)
-        self.fixed = max(self.fixed, min(committed, n))
+        fixed = max(self.fixed, min(committed, n))
+        if fixed > self.fixed:  # no slot before the committed prefix is sampled again
+            self.fixed = fixed
+            for k in [k for k in self.masks if k < fixed]:
+                del self.masks[k]
         return bool(self.matcher.is_terminated())
 
     def _follow(self, outputs: Sequence[int], n: int) -> None:
@@ -239,6 +248,12 @@ class GrammarState:
         del self.ids[common:], self.accepted[common:]
         for t in outputs[common:n]:
             t = int(t)
+            i = len(self.ids)
+            if i >= len(self.trail) or self.trail[i] != t:  # the trail diverges at i: masks past i are stale
+                del self.trail[i:]
+                for k in [k for k in self.masks if k > i]:
+                    del self.masks[k]
+                self.trail.append(t)
             self.accepted.append(bool(self.matcher.accept_token(t)))
             self.ids.append(t)
 
@@ -250,7 +265,8 @@ MaskRequest = tuple[GrammarState, Sequence[int], int, int, int]
 def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
     """Fill the requested bitmask rows (int32 [rows, words], CPU). One state may be asked for several prefixes
     (the positions of a verify window): the requests go in rounds, each state once per round and its prefixes in
-    ascending order, and each round's masks are filled by the library in parallel threads."""
+    ascending order, and each round's masks are filled by the library in parallel threads, except those a state
+    already filled along the same prefix (GrammarState.masks), which are copied."""
     if not requests:
         return
     info = requests[0][0].info
@@ -260,14 +276,19 @@ def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
     for q in queues.values():
         q.sort(key=lambda r: r[2])
     for depth in range(max(len(q) for q in queues.values())):
-        matchers, rows = [], []
+        matchers, rows, filled = [], [], []
         for q in queues.values():
             if depth < len(q):
                 state, outputs, n, committed, row = q[depth]
                 if state.follow(outputs, n, committed):
                     bitmask[row] = info.stop_mask
+                elif (known := state.masks.get(n)) is not None:
+                    bitmask[row] = known
                 else:
                     matchers.append(state.matcher)
                     rows.append(row)
+                    filled.append((state, n, row))
         if matchers:
             info.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            for state, n, row in filled:
+                state.masks[n] = bitmask[row].clone()

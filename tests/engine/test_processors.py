@@ -123,6 +123,22 @@ def test_grammar_mask_is_a_pure_function_of_the_prefix(info, smollm2_source) -> 
             assert torch.equal(bm, fresh[n]), n
         state.fill(outputs, len(outputs), torch.zeros((1, words), dtype=torch.int32), 0)
         assert state.accepted.count(False) == (outputs is bad)
+    # one state asked along two prefixes that part at position 7, in turn: the masks it keeps from one are
+    # never served for the other (GrammarState.masks)
+    fresh = {id(o): [] for o in (good, bad)}
+    for outputs in (good, bad):
+        for n in range(len(outputs) + 1):
+            bm = torch.zeros((1, words), dtype=torch.int32)
+            GrammarState(compiled, info).fill(outputs, n, bm, 0)
+            fresh[id(outputs)].append(bm.clone())
+    state = GrammarState(compiled, info)
+    asks = [(o, n) for o in (good, bad) for n in range(len(o) + 1)] * 2
+    random.Random(5).shuffle(asks)
+    for outputs, n in asks:
+        bm = torch.zeros((1, words), dtype=torch.int32)
+        state.fill(outputs, n, bm, 0)
+        assert torch.equal(bm, fresh[id(outputs)][n]), (outputs is bad, n)
+    assert state.masks  # some were kept
     # a verify pass asks one state for every position of its window (and other states) in one call
     walk, other = GrammarState(compiled, info), GrammarState(compiled, info)
     n_all = len(bad) + 1
