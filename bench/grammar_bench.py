@@ -2,6 +2,8 @@
 
     python bench/grammar_bench.py --out DIR [--repeats 5] [--threads 1]
 
+llguidance, the library compared against, is not among the service's requirements: `pip install llguidance`.
+
 For xgrammar and llguidance, on SmolLM2's tokenizer (49152 ids), host only:
 - tokenizer_s: building the library's vocabulary structure (once per engine);
 - compile_s per grammar (median of cold compiles: no cache): two JSON schemas (a small object, a nested order
