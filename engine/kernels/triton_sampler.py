@@ -47,8 +47,8 @@ from engine.noise import noise_key
 SPLIT = 8192        # vocab ids per pass-1 program (multiple of BLOCK)
 BLOCK = 1024        # ids per chunk inside a program
 NUM_WARPS = 4
-FILTER_BLOCK = BLOCK  # ids per chunk of the filter and top-n programs: pass 1's chunks, whose maxima it skips by
-SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}-filter{FILTER_BLOCK}-chunked2"
+# the filter and top-n programs walk the same BLOCK-wide chunks as pass 1 (the filter skips by their maxima)
+SAMPLER_IMPL = f"triton-fp64-split{SPLIT}-block{BLOCK}-w{NUM_WARPS}-filter{BLOCK}-chunked2"
 # rows of the packed parameter tensor
 P_KEY, P_TEMP, P_TOP_K, P_TOP_P, P_LOG_MIN_P, P_ROW, P_TOP_N = range(7)
 PARAM_ROWS = 7
@@ -107,12 +107,6 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, fi
     arg = torch.empty(n * num_splits, dtype=torch.int64, device=dev)
     m = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
     s = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
-    tm = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
-    ts = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
-    n_chunks = triton.cdiv(vocab, BLOCK)
-    cmax = torch.empty(n * n_chunks, dtype=torch.float32, device=dev)
-    cbest = torch.empty(n * n_chunks, dtype=torch.float64, device=dev)
-    cid = torch.empty(n * n_chunks, dtype=torch.int64, device=dev)
     token = torch.empty(n, dtype=torch.int64, device=dev)
     logprob = torch.empty(n, dtype=torch.float32, device=dev)
     lse = torch.empty(n, dtype=torch.float64, device=dev)
@@ -121,8 +115,14 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, fi
     top_lps = torch.empty((n, top_n), dtype=torch.float32, device=dev) if top_n else None
     if n == 0:
         return token, logprob, lse, top_ids, top_lps
-    pad = triton.cdiv(vocab, FILTER_BLOCK) * FILTER_BLOCK
+    n_chunks = triton.cdiv(vocab, BLOCK)
     row_ids, keys, temps = params[P_ROW], params[P_KEY], params[P_TEMP].view(torch.float64)
+    # what pass 1 leaves the filter: per split the top-p total's (max, sum), per chunk (max x, best score, its id)
+    tm = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
+    ts = torch.empty(n * num_splits, dtype=torch.float64, device=dev)
+    cmax = torch.empty(n * n_chunks, dtype=torch.float32, device=dev)
+    cbest = torch.empty(n * n_chunks, dtype=torch.float64, device=dev)
+    cid = torch.empty(n * n_chunks, dtype=torch.int64, device=dev)
     k.split_kernel[(n, num_splits)](logits, logits.stride(0), row_ids, keys, temps, params[P_TOP_K],
                                     params[P_TOP_P].view(torch.float64), best, arg, m, s, tm, ts, cmax, cbest, cid,
                                     vocab, n_chunks, NUM_SPLITS=num_splits, SPLIT_=SPLIT, BLOCK_=BLOCK,
@@ -131,11 +131,11 @@ def sample_packed(logits: torch.Tensor, params: torch.Tensor, top_n: int = 0, fi
                          NUM_SPLITS=num_splits, num_warps=1)
     if filtered:  # the filtered rows' tokens and logprobs replace the unfiltered ones in place
         k.filter_kernel[(n,)](logits, logits.stride(0), params, n, xmax, lse, token, logprob, cmax, cbest, cid,
-                              tm, ts, vocab, n_chunks, NUM_SPLITS=num_splits, NCHUNK_PAD=triton.next_power_of_2(n_chunks),
-                              VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
+                              tm, ts, vocab, n_chunks, NUM_SPLITS=num_splits,
+                              NCHUNK_PAD=triton.next_power_of_2(n_chunks), BLOCK_=BLOCK, num_warps=NUM_WARPS)
     if top_n:
         k.top_logprobs_kernel[(n,)](logits, logits.stride(0), params, n, lse, top_ids, top_lps, vocab,
-                                    NMAX=top_n, VOCAB_PAD=pad, BLOCK_=FILTER_BLOCK, num_warps=NUM_WARPS)
+                                    NMAX=top_n, VOCAB_PAD=n_chunks * BLOCK, BLOCK_=BLOCK, num_warps=NUM_WARPS)
     return token, logprob, lse, top_ids, top_lps
 
 

@@ -11,6 +11,15 @@ def _mix(z):
 
 
 @triton.jit
+def _gumbel(key, ids):
+    """g(seed, position, id) of engine.noise in float64: the hash's top 53 bits as u in (0, 1), -log(-log(u)).
+    Pass 1 and the filter both draw through here, so the filter's scores equal pass 1's bit for bit."""
+    bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
+    u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
 def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr, topk_ptr, topp_ptr,
                  best_ptr, arg_ptr, m_ptr, s_ptr, tm_ptr, ts_ptr, cmax_ptr, cbest_ptr, cid_ptr, vocab, n_chunks,
                  NUM_SPLITS: tl.constexpr, SPLIT_: tl.constexpr, BLOCK_: tl.constexpr):
@@ -39,11 +48,8 @@ def split_kernel(logits_ptr, row_stride, row_ids_ptr, keys_ptr, temps_ptr, topk_
         ids = start + c + tl.arange(0, BLOCK_)
         ok = ids < vocab
         x = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64)
-        bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
-        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-        g = -tl.log(-tl.log(u))
         sv = x / inv
-        score = tl.where(greedy, x, sv + g)
+        score = tl.where(greedy, x, sv + _gumbel(key, ids))
         score = tl.where(ok, score, -float("inf"))
         cbest, carg = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
         take = cbest > best
@@ -148,7 +154,7 @@ def _count_tied_upto(base, vocab, kkey, jid, ckey, cidx, NCHUNK_PAD: tl.constexp
 @triton.jit
 def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr, token_ptr, logprob_ptr,
                   cmax_ptr, cbest_ptr, cid_ptr, tm_ptr, ts_ptr, vocab, n_chunks, NUM_SPLITS: tl.constexpr,
-                  NCHUNK_PAD: tl.constexpr, VOCAB_PAD: tl.constexpr, BLOCK_: tl.constexpr):
+                  NCHUNK_PAD: tl.constexpr, BLOCK_: tl.constexpr):
     """Top-k / top-p / min-p for one row per program (engine.sampling's specification): the Gumbel argmax over
     the kept ids, found by rejection from the unfiltered argmax (token_ptr holds it on entry). The kept set
     is a prefix of the order (s desc, id asc), so when candidate c is not kept, no id at or after c is: the
@@ -200,7 +206,7 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
             kkey = lo
             need = top_k - _count_at_least(base, vocab, kkey + 1, ckey, cidx, NCHUNK_PAD, BLOCK_)
             jlo = tl.full((), 0, tl.int64)
-            jhi = tl.full((), VOCAB_PAD - 1, tl.int64)
+            jhi = tl.full((), 0, tl.int64) + n_chunks * BLOCK_ - 1
             while jlo < jhi:  # the smallest id j with need tied ids <= j
                 jmid = (jlo + jhi) // 2
                 if _count_tied_upto(base, vocab, kkey, jmid, ckey, cidx, NCHUNK_PAD, BLOCK_) >= need:
@@ -270,9 +276,7 @@ def filter_kernel(logits_ptr, row_stride, params_ptr, n_rows, xmax_ptr, lse_ptr,
                         ok = ids < vocab
                         s = tl.load(base + ids, mask=ok, other=-float("inf")).to(tl.float32).to(tl.float64) / temp
                         before = ok & ((s > sc) | ((s == sc) & (ids < c)))
-                        bits = _mix((key ^ ids.to(tl.uint64)) + 0x9E3779B97F4A7C15)
-                        u = ((bits >> 11).to(tl.float64) + 0.5) * 1.1102230246251565e-16  # 2**-53
-                        score = tl.where(before & (s - s_max >= log_min_p), s + -tl.log(-tl.log(u)), -float("inf"))
+                        score = tl.where(before & (s - s_max >= log_min_p), s + _gumbel(key, ids), -float("inf"))
                         cb, ca = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
                         cid = (j * BLOCK_ + ca).to(tl.int64)
                         take = (cb > nb) | ((cb == nb) & (cb > -float("inf")) & (cid < nb_id))
