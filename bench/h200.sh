@@ -137,8 +137,9 @@ stage_tests3() {
     $GPU_TESTS_3 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-3.txt" | tail -40
 }
 
-stage_sampler() {
-  timeout "${SAMPLER_TIMEOUT:-240}" python3 bench/sampler_bench.py --out "$OUT" --gguf "$GGUF" 2>&1 \
+stage_sampler() {  # the copy on the machine may carry no .git, or an older one: GIT_COMMIT names the tree
+  timeout "${SAMPLER_TIMEOUT:-240}" python3 bench/sampler_bench.py --out "$OUT" --gguf "$GGUF" \
+    ${GIT_COMMIT:+--git-commit $GIT_COMMIT} 2>&1 \
     | grep -v Warn | tail -12
 }
 

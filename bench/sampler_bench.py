@@ -82,16 +82,11 @@ def kernel_section(device: str, rows: int, repeats: int) -> dict[str, Any]:
 def _device_ms(x: torch.Tensor, specs: list, repeats: int) -> float:
     """The kernels alone: `sample_packed` launched back to back on parameters packed and staged once, mean
     milliseconds per call between CUDA events (no host packing, no copies back)."""
-    from engine.kernels.triton_sampler import pack_params, sample_packed
-    from engine.noise import noise_keys
+    from engine.kernels.triton_sampler import sample_packed
+    from engine.sampling import pack_specs
 
-    params = [p for p, _, _ in specs]
-    top_n = [p.logprobs or 0 for p in params]
-    packed = pack_params(list(range(len(specs))), noise_keys([s for _, s, _ in specs], [q for _, _, q in specs]),
-                         [p.temperature for p in params], [p.top_k for p in params], [p.top_p for p in params],
-                         [p.min_p for p in params], top_n)
+    packed, top_n, filtered = pack_specs(specs, list(range(len(specs))))
     staged = torch.from_numpy(packed).to(x.device)
-    filtered = any(p.temperature != 0 and (p.top_k or p.top_p < 1 or p.min_p > 0) for p in params)
     sample_packed(x, staged, max(top_n), filtered)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
@@ -186,10 +181,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--kernel-rows", type=int, default=256)
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--git-commit", help="the tree's commit where the run's copy has no .git or an older one "
+                                        "(default: git rev-parse)")
     p.add_argument("--sections", default="kernel,engine,detok",
                    help="comma list of kernel, engine, detok (the host's per-step text work; runs on the CPU too)")
     a = p.parse_args(argv)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = a.git_commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                            text=True).stdout.strip()
     result: dict[str, Any] = {
         "command": "python bench/sampler_bench.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "git_commit": commit or None,

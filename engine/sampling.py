@@ -268,18 +268,25 @@ def sample_rows_deferred(logits: torch.Tensor, specs: list[tuple[SamplingParams,
     return _launch_device(logits, specs, rows)
 
 
-def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
-                   ) -> PendingSamples:
-    """Launch the device sampler on `rows` (no host sync): every parameter of every row in one int64 tensor."""
+def pack_specs(specs: list[tuple[SamplingParams, int, int]], rows: list[int]
+               ) -> tuple[np.ndarray, list[int], bool]:
+    """The device sampler's inputs for `rows`: every parameter of every row in one int64 array
+    (`pack_params`), each row's number of top logprobs, and whether any row asks for top-k / top-p / min-p."""
     top_n = [p.logprobs or 0 for p, _, _ in specs]
     params = pack_params(rows, noise_keys([s for _, s, _ in specs], [pos for _, _, pos in specs]),
                          [float(p.temperature) for p, _, _ in specs], [p.top_k for p, _, _ in specs],
                          [float(p.top_p) for p, _, _ in specs], [float(p.min_p) for p, _, _ in specs], top_n)
+    return params, top_n, any(_filtered(p) for p, _, _ in specs)
+
+
+def _launch_device(logits: torch.Tensor, specs: list[tuple[SamplingParams, int, int]], rows: list[int]
+                   ) -> PendingSamples:
+    """Launch the device sampler on `rows` (no host sync): every parameter of every row in one int64 tensor."""
+    params, top_n, filtered = pack_specs(specs, rows)
     staged = torch.from_numpy(params)
     if logits.is_cuda:
         staged = staged.pin_memory().to(logits.device, non_blocking=True)
     nmax = max(top_n, default=0)
-    filtered = any(_filtered(p) for p, _, _ in specs)
     token, logprob, _, top_ids, top_lps = sample_packed(logits, staged, nmax, filtered)
     top = (top_ids, top_lps) if nmax else None
     return PendingSamples(token, logprob, top=top, top_n=top_n if nmax else None)
