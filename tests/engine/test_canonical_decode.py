@@ -277,7 +277,7 @@ def patch_lang_once(original):  # noqa: ANN001, ANN201 (triton internals)
     return patch_lang
 
 
-def interpreter_shortcuts() -> None:
+def interpreter_shortcuts(mp: pytest.MonkeyPatch | None = None) -> None:
     """Three costs of Triton 3.6's interpreter that change no result, about half of an interpreted launch:
 
     - `InterpreterOptions.sanitize_overflow` is True, so every 32-bit integer add, sub and mul is redone in
@@ -288,16 +288,24 @@ def interpreter_shortcuts() -> None:
       lookup against a table built once.
     - Every `tl.tuple` (the shape of each tensor made) formats its `tuple_type`, a name string over its
       values, when built, and most are never asked for it; here the type is built from the values on first
-      use. The values are not changed in between: `tuple._setitem`, the one writer, sets the type itself."""
+      use. The values are not changed in between: `tuple._setitem`, the one writer, sets the type itself.
+
+    With `mp`, every replacement goes through it, so the MonkeyPatch's undo restores the interpreter."""
     import dataclasses
 
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
 
+    def replace(obj: object, name: str, value: object) -> None:
+        if mp is not None:
+            mp.setattr(obj, name, value, raising=False)
+        else:
+            setattr(obj, name, value)
+
     builder = interpreter.interpreter_builder
     if not builder.options.debug:
-        builder.options = dataclasses.replace(builder.options, sanitize_overflow=False)
+        replace(builder, "options", dataclasses.replace(builder.options, sanitize_overflow=False))
 
     original = interpreter._get_np_dtype
     table = {t: original(t) for t in (tl.int1, tl.float16, tl.float32, tl.float64, tl.int8, tl.uint8, tl.int16,
@@ -314,7 +322,7 @@ def interpreter_shortcuts() -> None:
                 return pointer
         return table[tt_dtype]
 
-    interpreter._get_np_dtype = get_np_dtype
+    replace(interpreter, "_get_np_dtype", get_np_dtype)
 
     core = tl.core
 
@@ -335,8 +343,8 @@ def interpreter_shortcuts() -> None:
     def set_tuple_type(self, value):  # noqa: ANN001, ANN202
         self._type = value
 
-    core.tuple.__init__ = tuple_init
-    core.tuple.type = property(tuple_type_of, set_tuple_type)
+    replace(core.tuple, "__init__", tuple_init)
+    replace(core.tuple, "type", property(tuple_type_of, set_tuple_type))
 
 
 def patch_interpreter() -> None:

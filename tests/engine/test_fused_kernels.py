@@ -45,14 +45,7 @@ def tf() -> Iterator[ModuleType]:
         from triton.runtime import interpreter
 
         mp.setattr(interpreter, "_patch_lang", patch_lang_once(interpreter._patch_lang))
-        # restored on exit like the rest: the attributes interpreter_shortcuts replaces
-        import triton.language as tl
-
-        mp.setattr(interpreter.interpreter_builder, "options", interpreter.interpreter_builder.options)
-        mp.setattr(interpreter, "_get_np_dtype", interpreter._get_np_dtype)
-        mp.setattr(tl.core.tuple, "__init__", tl.core.tuple.__init__)
-        mp.setattr(tl.core.tuple, "type", None, raising=False)
-        interpreter_shortcuts()
+        interpreter_shortcuts(mp)  # restored on exit like the rest
         spec = importlib.util.spec_from_file_location("engine.kernels.triton_fused", _SOURCE)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)

@@ -25,6 +25,7 @@ takes the one made on this class; where none is, it skips and says how to write 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import struct
 import sys
@@ -51,8 +52,6 @@ def fixture_for(env: dict[str, Any]) -> Path | None:
 
 def new_fixture_path(env: dict[str, Any]) -> Path:
     """Where `--write` puts the fixture of a machine class that has none yet: named by its environment."""
-    import hashlib
-
     digest = hashlib.sha256(json.dumps(env, sort_keys=True).encode()).hexdigest()[:10]
     return GOLDEN / f"smollm2_cpu-{digest}.json"
 
