@@ -112,12 +112,13 @@ class EngineCore:
         """Raise ValueError naming the field and the limit; nothing is queued (engine.limits.validate_request)."""
         validate_request(self._limits, self.tokenizer, prompt, params)
 
-    def _grammar_state(self, params: SamplingParams) -> GrammarState | None:
+    def _grammar_state(self, params: SamplingParams, verified: bool) -> GrammarState | None:
+        """The row's grammar state; a verified (DVR) row keeps its fast path's masks for its verify windows."""
         if params.grammar is None:
             return None
         compiled, info = compile_request_grammar(params.grammar, self.tokenizer, self._limits.vocab_size,
                                                  self._limits.eos_ids)
-        return GrammarState(compiled, info)
+        return GrammarState(compiled, info, keep_masks=verified)
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> Sequence:
         """Queue a request that passed `validate` (its caller's way in: LLM, AsyncEngine, EngineProcess)."""
@@ -126,7 +127,7 @@ class EngineCore:
         dvr = params.deterministic and self.config.mode == Mode.DVR
         seed = params.seed if params.seed is not None else secrets.randbits(64)
         seq = Sequence(request_id, list(prompt), params, seed, SeqKind.DVR if dvr else SeqKind.FAST,
-                       self._next_arrival(), grammar=self._grammar_state(params))
+                       self._next_arrival(), grammar=self._grammar_state(params, dvr))
         return self._admit(seq)
 
     def add_replay(self, replay_id: str, prompt: list[int], tokens: list[int], params: SamplingParams,
@@ -135,7 +136,7 @@ class EngineCore:
         assert params.seed is not None, "a replay needs the recorded seed"
         seq = Sequence(replay_id, list(prompt), params, params.seed, SeqKind.REPLAY, self._next_arrival(),
                        tokens=list(tokens), windows=list(windows), replay=ReplayState(),
-                       grammar=self._grammar_state(params))
+                       grammar=self._grammar_state(params, False))
         seq.pending_windows.extend(windows)
         return self._admit(seq)
 

@@ -208,7 +208,7 @@ class GrammarState:
     The state after outputs o_1 .. o_n is the matcher fed o_1 .. o_n in order, where a token it cannot accept
     is skipped (the state stays); after the stop token is accepted, only the stop tokens are allowed."""
 
-    def __init__(self, compiled: Any, info: TokenizerInfo) -> None:
+    def __init__(self, compiled: Any, info: TokenizerInfo, keep_masks: bool = True) -> None:
         import xgrammar as xgr
 
         self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
@@ -219,6 +219,8 @@ class GrammarState:
         # Masks already filled, by prefix length n: masks[n] is the mask after trail[:n]. `trail` is the
         # longest sequence fed since it last diverged (ids is always a prefix of it), so a rollback of the
         # matcher keeps the masks past it: a verify window asks again for the prefixes the fast path filled.
+        # keep_masks: a row whose prefixes are asked for once (not verified) keeps none.
+        self.keep_masks = keep_masks
         self.trail: list[int] = []
         self.masks: dict[int, torch.Tensor] = {}
 
@@ -291,4 +293,5 @@ def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
         if matchers:
             info.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
             for state, n, row in filled:
-                state.masks[n] = bitmask[row].clone()
+                if state.keep_masks:
+                    state.masks[n] = bitmask[row].clone()

@@ -139,6 +139,12 @@ def test_grammar_mask_is_a_pure_function_of_the_prefix(info, smollm2_source) -> 
         state.fill(outputs, n, bm, 0)
         assert torch.equal(bm, fresh[id(outputs)][n]), (outputs is bad, n)
     assert state.masks  # some were kept
+    once = GrammarState(compiled, info, keep_masks=False)  # a row that is not verified keeps none
+    for n in range(len(good) + 1):
+        bm = torch.zeros((1, words), dtype=torch.int32)
+        once.fill(good, n, bm, 0)
+        assert torch.equal(bm, fresh[id(good)][n]), n
+    assert not once.masks
     # a verify pass asks one state for every position of its window (and other states) in one call
     walk, other = GrammarState(compiled, info), GrammarState(compiled, info)
     n_all = len(bad) + 1
