@@ -29,7 +29,7 @@ from auditor.errors import exception_handlers
 from auditor.ledger import Ledger
 from auditor.logs import log_failure
 from auditor.metrics import Metrics
-from auditor.ratelimit import Limiter, RateLimiter, RedisRateLimiter
+from auditor.ratelimit import FileRateLimiter, Limiter, RateLimiter, RedisRateLimiter
 from auditor.replay import ReplayService
 from auditor.reports.service import generator_version
 from auditor.routes import default_route_handlers
@@ -65,7 +65,14 @@ def build_services(settings: Settings) -> Services:
 
 
 def _shared_state(settings: Settings) -> tuple[Any, Limiter, Store]:
-    """Rate limits and console sessions: in this process, or in Redis for every replica."""
+    """Rate limits and console sessions: in this process; in files of the run directory for the worker
+    processes of one ``serve`` (``workers`` > 1); or in Redis for every replica."""
+    if not settings.redis_url and settings.workers > 1:
+        from litestar.stores.file import FileStore
+
+        limiter = FileRateLimiter(settings.run_dir / "ratelimit", settings.rate_limit_per_second,
+                                  settings.rate_limit_burst)
+        return None, limiter, FileStore(settings.run_dir / "sessions", create_directories=True)
     if not settings.redis_url:
         return None, RateLimiter(settings.rate_limit_per_second, settings.rate_limit_burst), MemoryStore()
     from litestar.stores.redis import RedisStore

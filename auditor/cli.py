@@ -75,6 +75,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from auditor import logs
     from auditor.app import create_app
+    from auditor.workers import resolved_workers, serve_workers
 
     settings = settings_from(args)
     logs.configure(settings.log_level)
@@ -85,6 +86,11 @@ def serve(args: argparse.Namespace) -> int:
             print(f"Created the first admin API key (tenant {BOOTSTRAP_TENANT!r}, role admin). "
                   "It is shown once and stored only as a hash:", flush=True)
             print(secret, flush=True)
+    workers = resolved_workers(settings)
+    if workers > 1:
+        print(f"Verbatim listening on http://{settings.host}:{settings.port} with {workers} worker processes; "
+              f"loading model {settings.model!r} (progress on stderr; GET /readyz says when it is ready)", flush=True)
+        return serve_workers(settings, workers, stop_on_load_error=not settings.keep_serving_on_load_error)
     stop = None if settings.keep_serving_on_load_error else _StopOnLoadError()
     app = create_app(settings, on_engine_error=stop)
     # log_config=None: uvicorn's records go through the service's handler (JSON, exception text withheld).

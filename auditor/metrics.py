@@ -4,6 +4,11 @@ Service counters are updated by the HTTP layer; engine figures (tokens, verify p
 verify-pass seconds, queue depth) are read from ``engine.stats()`` and the log's (appends, batches,
 checkpoints, self-check state) from ``Ledger.stats`` at scrape time.
 
+Under ``serve`` with several worker processes (``PROMETHEUS_MULTIPROC_DIR`` set by ``serve`` before they
+start), the HTTP, completion and witness counters of every worker are summed at scrape time from the
+directory's files (prometheus_client's multiprocess mode); the engine figures are the shared engine's; the
+log's counters are those of the worker that answers the scrape (its appends), and its tree size the log's.
+
 The log's self-check: ``verbatim_log_integrity_ok`` is 1 after a passing check, 0 after a mismatch
 (absent before the first check); on a mismatch ``verbatim_log_integrity_first_bad_index{check=…}``
 names the first bad log index.
@@ -12,10 +17,11 @@ names the first bad log index.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -104,15 +110,23 @@ class Metrics:
         self.witness = Counter("verbatim_witness_submissions", "Checkpoint submissions to witnesses, by outcome "
                                "(cosigned, refused, unreachable, ahead, bad_cosignature, http_<status>, error)",
                                ["witness", "outcome"], registry=self.registry)
-        self.registry.register(_EngineCollector(engine_stats))
+        self._collectors: list[Collector] = [_EngineCollector(engine_stats)]
         if log_stats is not None:
-            self.registry.register(_LogCollector(log_stats))
+            self._collectors.append(_LogCollector(log_stats))
+        for collector in self._collectors:
+            self.registry.register(collector)
 
     def witness_result(self, witness: str, outcome: str) -> None:
         self.witness.labels(witness, outcome).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        for collector in self._collectors:
+            registry.register(collector)
+        return generate_latest(registry)
 
     def completion(self, api: str, deterministic: bool, status: str, prompt_tokens: int, completion_tokens: int) -> None:
         self.completions.labels(api, str(deterministic).lower(), status).inc()

@@ -1,12 +1,18 @@
 """Per-key token buckets: ``rate`` tokens per second refill up to ``burst``; one request costs one.
 
-``RateLimiter`` keeps the buckets in this process; ``RedisRateLimiter`` keeps them in Redis, so every
-server process (replica) draws from the same bucket. Both answer ``await take(key)``: ``None`` if
+``RateLimiter`` keeps the buckets in this process; ``FileRateLimiter`` keeps them in a memory-mapped file that
+every worker process of one ``serve`` shares (one host); ``RedisRateLimiter`` keeps them in Redis, so every
+server process (replica, on any host) draws from the same bucket. Both answer ``await take(key)``: ``None`` if
 allowed, else the seconds until a token is available.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
+import mmap
+import os
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -51,6 +57,77 @@ class RateLimiter:
                 bucket.tokens -= 1.0
                 return None
             return (1.0 - bucket.tokens) / self.rate
+
+    async def take(self, key: str) -> float | None:
+        return self.acquire(key)
+
+
+class FileRateLimiter:
+    """Token buckets in a memory-mapped file shared by the processes of one host.
+
+    The file is a hash table of ``SLOTS`` slots ``(key digest, tokens, updated)``, probed linearly from the
+    key's digest; each update holds an exclusive ``flock`` on the file for a few microseconds. ``updated`` is
+    ``time.monotonic()``, one clock for every process of the host. When the ``PROBES`` slots a key may use are
+    all taken, the one idle longest is given to it (a bucket idle for ``burst / rate`` seconds is full anyway,
+    so at the table's size a key only loses its state after it has been idle). ``reset`` empties the file: the
+    process that starts the workers calls it once before they start."""
+
+    SLOTS = 16384
+    PROBES = 32
+    _SLOT = struct.Struct("<8sdd")
+
+    def __init__(self, path: os.PathLike[str] | str, rate: float, burst: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        _check(rate, burst)
+        self.rate = rate
+        self.burst = burst
+        self._clock = clock
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        size = self.SLOTS * self._SLOT.size
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        self._fd = fd
+        self._map = mmap.mmap(fd, size)
+
+    @classmethod
+    def reset(cls, path: os.PathLike[str] | str) -> None:
+        with open(path, "wb") as f:
+            f.truncate(cls.SLOTS * cls._SLOT.size)
+        os.chmod(path, 0o600)
+
+    def acquire(self, key: str) -> float | None:
+        digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
+        start = int.from_bytes(digest, "little") % self.SLOTS
+        size, empty = self._SLOT.size, bytes(8)
+        now = self._clock()
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            slot, oldest = None, None
+            for probe in range(self.PROBES):
+                at = ((start + probe) % self.SLOTS) * size
+                held, tokens, updated = self._SLOT.unpack_from(self._map, at)
+                if held == digest:
+                    slot = (at, tokens, updated)
+                    break
+                if held == empty:
+                    slot = (at, float(self.burst), now)
+                    break
+                if oldest is None or updated < oldest[2]:
+                    oldest = (at, float(self.burst), updated)
+            if slot is None:
+                assert oldest is not None
+                slot = (oldest[0], float(self.burst), now)
+            at, tokens, updated = slot
+            tokens = min(float(self.burst), tokens + max(0.0, now - updated) * self.rate)
+            wait = None
+            if tokens >= 1.0:
+                tokens -= 1.0
+            else:
+                wait = (1.0 - tokens) / self.rate
+            self._SLOT.pack_into(self._map, at, digest, tokens, now)
+            return wait
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     async def take(self, key: str) -> float | None:
         return self.acquire(key)

@@ -68,6 +68,10 @@ class Settings:
     engine_process: bool = _setting(
         True, "run the engine in a process of its own (the serving process then only serves: the two do not "
         "share one Python interpreter lock); false: an engine thread inside the serving process")
+    workers: int = _setting(
+        0, "HTTP worker processes serving the API on one port, all sharing one engine process, the database and "
+        "the data directory; 0: automatic (1 on a host without CUDA or when engine_process is off; on a CUDA host "
+        "a quarter of the CPU cores, from 1 to 8)")
     engine_factory: str | None = _setting(
         None, "module:callable building the engine from the Settings instead of engine.AsyncEngine (tests run "
         "several server processes on a small fake engine this way)")
@@ -99,6 +103,11 @@ class Settings:
             raise ValueError(f"log_check_interval_seconds must be >= 0, got {self.log_check_interval_seconds}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.workers < 0:
+            raise ValueError(f"workers must be >= 0 (0: automatic), got {self.workers}")
+        if self.workers > 1 and not self.engine_process and not self.engine_factory:
+            raise ValueError(f"workers: {self.workers} worker processes share one engine process, so engine_process "
+                             "must be on")
         if self.replay_max_queued < 1:
             raise ValueError(f"replay_max_queued must be >= 1, got {self.replay_max_queued}")
         if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:
@@ -140,6 +149,12 @@ class Settings:
     @property
     def keys_dir(self) -> Path:
         return self.data_dir / "keys"
+
+    @property
+    def run_dir(self) -> Path:
+        """State the worker processes of one ``serve`` share while it runs (rate limits, console sessions,
+        metrics); emptied when ``serve`` starts them."""
+        return self.data_dir / "run"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "Settings":

@@ -1,0 +1,170 @@
+"""``serve`` with several HTTP worker processes sharing one engine process (``workers`` > 1).
+
+One Python process cannot both serve hundreds of streamed, signed completions a second and keep up with a
+small model on a GPU: HTTP parsing, authentication, JSON, signing and the log cost about a millisecond and a
+half of CPU per completion. ``serve`` therefore runs, on a CUDA host, several worker processes:
+
+    serve (this process)  binds the port, migrates, creates keys, then starts and watches the others
+      engine process      one EngineCore (engine.engine_process.EngineHost), one pipe per worker
+      worker 1..N         uvicorn + the app on the shared listening socket; its engine is an
+                          EngineProcess client on its pipe; the kernel hands each connection to one worker
+
+The workers share what a replica shares (docs/replicas.md): the database (on SQLite, one file on this host;
+appends take the database's write lock first), the key directory, and, in ``settings.run_dir``, the rate
+limit buckets (``FileRateLimiter``), the console sessions (litestar's ``FileStore``) and the Prometheus
+counters (multiprocess mode). With ``redis_url`` set, rate limits and sessions live in Redis instead.
+
+The bits do not depend on the number of workers: there is one engine, and a request's bits never depend on
+the batch it runs in. A worker that exits stops the whole server (exit status 1): a process manager restarts
+it; a worker whose engine failed to load stops it too, with the engine's error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import time
+from typing import Any
+
+from auditor.settings import Settings
+
+log = logging.getLogger("auditor.workers")
+
+ENGINE_LOAD_FAILED = 3
+"""A worker's exit status when its engine could not be loaded."""
+
+
+def resolved_workers(settings: Settings) -> int:
+    """``settings.workers``, or when 0 the automatic count: 1 without CUDA, with the engine in the serving process
+    or with an engine factory; else a quarter of the CPU cores, from 1 to 8."""
+    if settings.workers:
+        return settings.workers
+    if not settings.engine_process or settings.engine_factory or settings.device == "cpu":
+        return 1
+    import torch
+
+    if not torch.cuda.is_available():
+        return 1
+    return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _reset_run_dir(settings: Settings) -> None:
+    """Empty the state the previous run's workers shared, before any new worker starts."""
+    from auditor.ratelimit import FileRateLimiter
+
+    run = settings.run_dir
+    shutil.rmtree(run, ignore_errors=True)
+    (run / "metrics").mkdir(parents=True, mode=0o700)
+    (run / "sessions").mkdir(mode=0o700)
+    FileRateLimiter.reset(run / "ratelimit")
+
+
+def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool) -> int:
+    """Run ``workers`` worker processes (and the shared engine process) until SIGINT / SIGTERM or until one of
+    them exits. Returns the exit status: 0 after a signal, 1 when a worker exited by itself."""
+    settings = dataclasses.replace(settings, workers=workers)
+    _reset_run_dir(settings)
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(settings.run_dir / "metrics")
+    sock = _listen(settings.host, settings.port)
+    host = None
+    connections: list[Any] = [None] * workers
+    if not settings.engine_factory:
+        from engine.cli import engine_config
+        from engine.engine_process import EngineHost
+
+        config = engine_config({**settings.engine_options, "model": settings.model, "device": settings.device,
+                                "tensor_parallel_size": settings.tensor_parallel_size})
+        host = EngineHost(config, workers)
+        connections = list(host.connections)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_worker_main, args=(settings, sock, conn, i, stop_on_load_error),
+                         name=f"verbatim-worker-{i}") for i, conn in enumerate(connections)]
+    for proc in procs:
+        proc.start()
+    for conn in connections:  # each end lives on in its worker
+        if conn is not None:
+            conn.close()
+    sock.close()
+    stopping = {"signal": None}
+
+    def on_signal(signum: int, _frame: Any) -> None:
+        stopping["signal"] = signum
+
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while stopping["signal"] is None and all(p.is_alive() for p in procs):
+            if host is not None and not host.alive():
+                log.error("the engine process exited (code %s)", host.exitcode, extra={"event": "engine_exit"})
+                break
+            time.sleep(0.2)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    exited = [p for p in procs if not p.is_alive()]
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()  # uvicorn's graceful shutdown: in-flight completions finish and are recorded
+    deadline = time.monotonic() + 30
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+    if host is not None:
+        host.stop(timeout_s=30)
+    if stopping["signal"] is not None and not exited:
+        return 0
+    if any(p.exitcode == ENGINE_LOAD_FAILED for p in exited):
+        print(f"error: model {settings.model!r} could not be loaded, so the server stopped (the workers' log "
+              "has the engine's error)", file=sys.stderr, flush=True)
+    else:
+        codes = ", ".join(f"{p.name}: {p.exitcode}" for p in exited) or "the engine process"
+        print(f"error: a process of the server exited ({codes}), so the server stopped", file=sys.stderr,
+              flush=True)
+    return 1
+
+
+def _worker_main(settings: Settings, sock: socket.socket, conn: Any, index: int, stop_on_load_error: bool) -> None:
+    """One worker: the app on the shared socket, its engine the shared one (through ``conn``) or, with an
+    engine factory, its own."""
+    import uvicorn
+
+    from auditor import logs
+    from auditor.app import create_app
+    from auditor.engine_seam import load_engine
+
+    logs.configure(settings.log_level)
+
+    def connect(_settings: Settings) -> Any:
+        from engine.engine_process import EngineProcess
+
+        return EngineProcess.connect(conn)
+
+    server: Any = None
+
+    def stop(_error: str) -> None:
+        if server is not None and stop_on_load_error:
+            server.should_exit = True
+
+    app = create_app(settings, engine_loader=connect if conn is not None else load_engine, on_engine_error=stop)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", log_config=None, access_log=False,
+                                           timeout_graceful_shutdown=10))
+    server.run(sockets=[sock])
+    if app.state.services.engine_error and stop_on_load_error:
+        sys.exit(ENGINE_LOAD_FAILED)
