@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from litestar import Controller, Request, Response, get, post
 from litestar.di import Provide
 from litestar.response import Stream
@@ -90,8 +90,12 @@ async def _record_error(service: CompletionService, prepared: Prepared, last: An
     return True
 
 
+_JSON = msgspec.json.Encoder()
+
+
 def _event(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    """One server-sent event: compact UTF-8 JSON, as litestar encodes the non-streamed bodies."""
+    return b"data: " + _JSON.encode(payload) + b"\n\n"
 
 
 async def _merged(service: CompletionService, choices: list[Prepared]) -> AsyncIterator[tuple[int, Any]]:
