@@ -1,6 +1,7 @@
 """The engine process's per-step message: what it costs to build, encode, decode and apply (host only).
 
     python bench/wire_bench.py --out FILE [--requests 64 256] [--steps 400] [--context 512] [--logprobs 0]
+                               [--repeats 3]
 
 For each count of running requests, every step commits one token per request (and, every `--window`-th
 step of each request, staggered across requests, a verify window), then times, per step:
@@ -18,7 +19,9 @@ Variants:
   ("step", deltas, stats) pickled as Connection.send pickles it, unpickled, applied by the same loop.
 - `pickle_tuple` (build / encode / decode only): the msgpack variant's fields as a plain tuple, pickled.
 
-Writes FILE (JSON: command, machine, date, the median and p90 per step in microseconds and the message size).
+Each variant runs `--repeats` times, the variants interleaved (the machine may be shared: its load average at
+the start is recorded). Writes FILE (JSON: command, machine, date; per variant and request count, each run's
+median and p90 per step in microseconds, the median over the runs of their medians, and the message size).
 The reconstructed tokens and windows are checked against the sequences at the end of each run.
 """
 from __future__ import annotations
@@ -239,6 +242,20 @@ def run_variant(name: str, count: int, args: argparse.Namespace) -> dict[str, An
     return {"variant": name, "requests": count, **summary(samples, sizes)}
 
 
+VARIANTS = ("pickle_dataclass", "pickle_tuple", "msgpack")
+
+
+def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Per "<requests> <variant>": the median over its runs of each phase's per-step median."""
+    out: dict[str, dict[str, float]] = {}
+    for count in sorted({r["requests"] for r in runs}):
+        for name in VARIANTS:
+            mine = [r for r in runs if r["requests"] == count and r["variant"] == name]
+            phases = [k for k in mine[0] if k.endswith("_us")]
+            out[f"{count} {name}"] = {k: round(statistics.median(r[k]["median"] for r in mine), 2) for k in phases}
+    return out
+
+
 def machine() -> dict[str, Any]:
     cpu = "unknown"
     try:
@@ -268,6 +285,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--context", type=int, default=512, help="committed tokens per request before the steps")
     parser.add_argument("--window", type=int, default=8, help="tokens per verify window")
     parser.add_argument("--logprobs", type=int, default=0, help="top logprobs per token (0: none asked)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
     parser.add_argument("--out", required=True, help="write the JSON result here")
     args = parser.parse_args(argv)
     import msgspec
@@ -279,12 +297,12 @@ def main(argv: list[str]) -> int:
         "git_commit": git_commit(), "machine": machine(), "msgspec": msgspec.__version__,
         "per_step": {"context_tokens": args.context, "window": args.window, "logprobs": args.logprobs,
                      "tokens_per_request": 1, "steps": args.steps, "warmup": args.warmup},
-        "runs": [run_variant(name, count, args) for count in args.requests
-                 for name in ("pickle_dataclass", "pickle_tuple", "msgpack")],
+        "runs": [run_variant(name, count, args) for _ in range(args.repeats) for count in args.requests
+                 for name in VARIANTS],
     }
-    for run in result["runs"]:
-        print(run["requests"], run["variant"], {k: v["median"] for k, v in run.items() if k.endswith("_us")},
-              run["message_bytes_median"])
+    result["medians_us"] = medians(result["runs"])
+    for key, phases in result["medians_us"].items():
+        print(key, phases)
     write_result_file(result, args.out)
     return 0
 
