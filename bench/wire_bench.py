@@ -1,6 +1,6 @@
 """The engine process's per-step message: what it costs to build, encode, decode and apply (host only).
 
-    python bench/wire_bench.py --out FILE [--requests 64 256] [--steps 400] [--context 512] [--logprobs 0]
+    python bench/wire_bench.py --out FILE [--requests 64 256] [--context 0 512] [--steps 400] [--logprobs 0]
                                [--repeats 3]
 
 For each count of running requests, every step commits one token per request (and, every `--window`-th
@@ -10,7 +10,7 @@ step of each request, staggered across requests, a verify window), then times, p
 - decode_us: the serving process's reader thread turning the bytes back into deltas;
 - apply_us: appending them to the serving process's request table (what EngineProcess._apply does on the
   event loop; here on a table of requests with no event loop).
-Each request has `--context` committed tokens (and their windows) when the timed steps start.
+Each request has `--context` committed tokens (and their windows) when the warm-up steps start.
 
 Variants:
 - `msgpack` (engine.engine_process as it is): `_Publisher.delta` builds `Delta` Structs holding the windows
@@ -172,8 +172,8 @@ def summary(samples: dict[str, list[float]], sizes: list[int]) -> dict[str, Any]
     return out
 
 
-def run_variant(name: str, count: int, args: argparse.Namespace) -> dict[str, Any]:
-    seqs = make_seqs(count, args.context, args.window, args.logprobs or None)
+def run_variant(name: str, count: int, context: int, args: argparse.Namespace) -> dict[str, Any]:
+    seqs = make_seqs(count, context, args.window, args.logprobs or None)
     samples: dict[str, list[float]] = {"build": [], "encode": [], "decode": [], "apply": []}
     sizes: list[int] = []
     clock = time.perf_counter_ns
@@ -239,20 +239,21 @@ def run_variant(name: str, count: int, args: argparse.Namespace) -> dict[str, An
                 assert req.windows == s.windows and engine._output(req).windows == s.windows, s.request_id
             else:
                 assert req.last is not None and req.last.windows == s.windows, s.request_id
-    return {"variant": name, "requests": count, **summary(samples, sizes)}
+    return {"variant": name, "requests": count, "context": context, **summary(samples, sizes)}
 
 
 VARIANTS = ("pickle_dataclass", "pickle_tuple", "msgpack")
 
 
 def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Per "<requests> <variant>": the median over its runs of each phase's per-step median."""
+    """Per "context <c>, <requests> requests, <variant>": the median over its runs of each phase's per-step
+    median."""
     out: dict[str, dict[str, float]] = {}
-    for count in sorted({r["requests"] for r in runs}):
-        for name in VARIANTS:
-            mine = [r for r in runs if r["requests"] == count and r["variant"] == name]
-            phases = [k for k in mine[0] if k.endswith("_us")]
-            out[f"{count} {name}"] = {k: round(statistics.median(r[k]["median"] for r in mine), 2) for k in phases}
+    for key in sorted({(r["context"], r["requests"], r["variant"]) for r in runs}):
+        mine = [r for r in runs if (r["context"], r["requests"], r["variant"]) == key]
+        phases = [k for k in mine[0] if k.endswith("_us")]
+        out["context {}, {} requests, {}".format(*key)] = {
+            k: round(statistics.median(r[k]["median"] for r in mine), 2) for k in phases}
     return out
 
 
@@ -282,7 +283,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, nargs="+", default=[64, 256], help="running requests")
     parser.add_argument("--steps", type=int, default=400, help="timed steps per variant")
     parser.add_argument("--warmup", type=int, default=50)
-    parser.add_argument("--context", type=int, default=512, help="committed tokens per request before the steps")
+    parser.add_argument("--context", type=int, nargs="+", default=[0, 512],
+                        help="committed tokens per request before the steps")
     parser.add_argument("--window", type=int, default=8, help="tokens per verify window")
     parser.add_argument("--logprobs", type=int, default=0, help="top logprobs per token (0: none asked)")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each variant, interleaved")
@@ -295,10 +297,10 @@ def main(argv: list[str]) -> int:
         "command": shlex.join(["python", "bench/wire_bench.py", *argv]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "git_commit": git_commit(), "machine": machine(), "msgspec": msgspec.__version__,
-        "per_step": {"context_tokens": args.context, "window": args.window, "logprobs": args.logprobs,
+        "per_step": {"window": args.window, "logprobs": args.logprobs,
                      "tokens_per_request": 1, "steps": args.steps, "warmup": args.warmup},
-        "runs": [run_variant(name, count, args) for _ in range(args.repeats) for count in args.requests
-                 for name in VARIANTS],
+        "runs": [run_variant(name, count, context, args) for _ in range(args.repeats) for context in args.context
+                 for count in args.requests for name in VARIANTS],
     }
     result["medians_us"] = medians(result["runs"])
     for key, phases in result["medians_us"].items():
