@@ -1,4 +1,5 @@
-"""EngineProcess: AsyncEngine's interface with the EngineCore in a process of its own (docs/engine.md).
+"""EngineProcess: AsyncEngine's interface with the EngineCore in a process of its own; EngineHost: that
+process shared by several serving processes (docs/engine.md).
 
 In one process the engine thread and the service's event loop share the GIL: while the loop formats and
 writes hundreds of stream chunks, the engine waits to launch its next step and the device idles. Here the
@@ -14,8 +15,10 @@ takes one connection and `EngineProcess.connect(conn)`; they share the one engin
     abort()    --("abort", rid, token)--------->        -> core.abort -> ("aborted", token, delta) on pipe k
     replay()   --("replay", token, requests)--->        -> core.add_replay ... -> ("replayed", token, results)
     shutdown() --("close",)------------------->         -> aborts client k's requests, closes pipe k
+                                                           (a client of a shared host; EngineProcess(config)
+                                                           stops its own host instead)
     reader thread <--"S" + msgpack(deltas, stats)--     one message per step per client that has deltas:
-                                                        the new committed tokens of its own requests
+                                                        the newly committed tokens of its own requests
     EngineHost.stop() --("stop",) on the control pipe-> the engine process ends
 
 A step message carries only what each touched request committed since the last one (tokens, logprobs, the
