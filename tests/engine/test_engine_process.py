@@ -1,7 +1,8 @@
 """EngineProcess: the engine in a spawned process behind AsyncEngine's interface. On the mock model: its
-fingerprint, clients whose event loops closed, a model that cannot load, a dead engine process; the real
-SmolLM2's bits equal the in-process engine's. Streams, abort and replay of both serving engines:
-test_serving_engines.py."""
+fingerprint, clients whose event loops closed, a model that cannot load, a dead engine process, and the step
+messages, which rebuild the core's outputs after every step; the real SmolLM2's bits equal the in-process
+engine's. Streams, abort and replay of both serving engines: test_serving_engines.py; several clients of one
+engine process: test_engine_host.py."""
 from __future__ import annotations
 
 import asyncio
