@@ -1,20 +1,42 @@
-"""EngineProcess: AsyncEngine's interface with the EngineCore in a process of its own (docs/engine.md).
+"""EngineProcess: AsyncEngine's interface with the EngineCore in a process of its own; EngineHost: that
+process shared by several serving processes (docs/engine.md).
 
 In one process the engine thread and the service's event loop share the GIL: while the loop formats and
 writes hundreds of stream chunks, the engine waits to launch its next step and the device idles. Here the
-engine process does nothing but step, and the serving process nothing but serve.
+engine process does nothing but step, and the serving processes nothing but serve.
 
-    serving process (event loop)                 engine process (spawned)
-    generate() --("add", rid, prompt, params)--> pipe -> core.add_request
-    abort()    --("abort", rid, token)--------->         core.abort -> ("aborted", token, delta)
-    replay()   --("replay", token, requests)--->         core.add_replay ... -> ("replayed", token, results)
-    reader thread <--("step", deltas, stats)----         one message per step: the new committed tokens
+An EngineHost starts the engine process with one duplex pipe per client; an EngineProcess is one client, over
+one of those pipes. `EngineProcess(config)` is the one-client shape: it starts its own host and stops it on
+shutdown. With `EngineHost(config, clients=N)` each of N serving processes (each with its own event loop)
+takes one connection and `EngineProcess.connect(conn)`; they share the one engine and its batches.
 
-A step message carries only what each touched request committed since the last one (tokens, logprobs,
-windows, counters): committed tokens are never taken back, so the serving process appends them and keeps
-the cumulative RequestOutput that AsyncEngine's callers expect; the text is detokenized there, when a
-stream asks for it. A consumer that falls behind takes the newest output and skips the ones before it
+    serving process k (event loop)                  engine process (spawned by EngineHost)
+    generate() --("add", rid, prompt, params)--> pipe k -> core.add_request; rid's client is k
+    abort()    --("abort", rid, token)--------->        -> core.abort -> ("aborted", token, delta) on pipe k
+    replay()   --("replay", token, requests)--->        -> core.add_replay ... -> ("replayed", token, results)
+    shutdown() --("close",)------------------->         -> aborts client k's requests, closes pipe k
+                                                           (a client of a shared host; EngineProcess(config)
+                                                           stops its own host instead)
+    reader thread <--"S" + msgpack(deltas, stats)--     one message per step per client that has deltas:
+                                                        the newly committed tokens of its own requests
+    EngineHost.stop() --("stop",) on the control pipe-> the engine process ends
+
+A step message carries only what each touched request committed since the last one (tokens, logprobs, the
+windows added, counters): committed tokens and windows are never taken back, so the serving process appends
+them and keeps the cumulative RequestOutput that AsyncEngine's callers expect; the text is detokenized there,
+when a stream asks for it. A consumer that falls behind takes the newest output and skips the ones before it
 (they are cumulative), so a busy event loop sends fewer, longer chunks instead of slowing the engine.
+
+The wire: a step message is the byte "S" followed by the msgpack of a `StepMessage` (array-like Structs:
+msgpack's float64 carries every logprob bit for bit); every other message (ready, failed, rejected, aborted,
+replay_progress, replayed, step_failed, log) is rare and pickled, and a pickle's first byte is its protocol
+opcode 0x80, never "S". Stats ride on a step message to every client every _STATS_EVERY_S and when the
+engine falls idle. The engine process's log records go to one client, the lowest-numbered one still
+connected, so the service logs each once.
+
+A client whose connection closes (its process died, or shutdown) has its requests aborted and its replays
+dropped; the others are served on. The engine process ends on `stop` from the host, when the host's process
+is gone (the control pipe closes), or when every client has closed.
 
 The engine's bits do not depend on which process runs it: the child builds the same EngineCore from the
 same EngineConfig, with the same torch thread count, and reports the same runtime fingerprint.
@@ -23,9 +45,11 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
 import multiprocessing as mp
+import pickle
 import threading
 import time
 import uuid
@@ -33,7 +57,10 @@ import weakref
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
+
+import msgspec
 
 from engine.async_engine import ReplayProgress, latest
 from engine.config import EngineConfig
@@ -42,7 +69,7 @@ from engine.identity import Fingerprinted
 from engine.limits import RequestLimits, validate_request
 from engine.replay import ReplayRequest, ReplayResult, validate_replays
 from engine.sampling import SamplingParams
-from engine.sequence import RequestOutput
+from engine.sequence import RequestOutput, SeqKind
 
 log = logging.getLogger("engine.process")
 
@@ -51,17 +78,19 @@ Loader = Callable[[EngineConfig], Any]
 
 _LAST_OUTPUTS_KEPT = 4096
 _STATS_EVERY_S = 0.25
+_STEP_TAG = b"S"
 
 
-@dataclass(frozen=True)
-class Delta:
-    """What one request committed in one engine step (append-only: `start` is its committed length before)."""
+class Delta(msgspec.Struct, frozen=True, array_like=True):
+    """What one request committed in one engine step (append-only: `start` is its committed length before,
+    `windows_from` its number of windows before; `windows` are the ones added since)."""
 
     request_id: str
     start: int
     token_ids: list[int]
     token_logprobs: list[float]
     top_logprobs: list[dict[int, float]] | None
+    windows_from: int
     windows: list[tuple[int, int]]
     finished: bool
     finish_reason: str | None
@@ -72,6 +101,33 @@ class Delta:
     recomputed_tokens: int
     prompt_logprobs: list[float] | None = None            # sent once, with the first delta that has them
     prompt_top_logprobs: list[dict[int, float]] | None = None
+
+
+class StepMessage(msgspec.Struct, array_like=True):
+    """One engine step, for one client: its requests' deltas; the engine's stats when they are due."""
+
+    deltas: list[Delta]
+    stats: EngineStats | None
+
+
+_STEP_ENCODER = msgspec.msgpack.Encoder()
+_STEP_DECODER = msgspec.msgpack.Decoder(StepMessage)
+
+
+def encode_step(deltas: list[Delta], stats: EngineStats | None) -> bytearray:
+    """A step message's bytes: the tag, then the msgpack of StepMessage(deltas, stats)."""
+    buf = bytearray(_STEP_TAG)
+    _STEP_ENCODER.encode_into(StepMessage(deltas, stats), buf, -1)
+    return buf
+
+
+def decode_message(data: bytes) -> tuple[str, list[Any]]:
+    """(kind, body) of one message read with recv_bytes: a step message or a pickled tuple."""
+    if data[:1] == _STEP_TAG:
+        step = _STEP_DECODER.decode(memoryview(data)[1:])
+        return "step", [step.deltas, step.stats]
+    kind, *body = pickle.loads(data)
+    return kind, body
 
 
 @dataclass(frozen=True)
@@ -96,6 +152,7 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top: list[dict[int, float]] = field(default_factory=list)
+    windows: list[tuple[int, int]] = field(default_factory=list)
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[dict[int, float]] | None = None
     last: Delta | None = None
@@ -108,24 +165,94 @@ class _ReplayJob:
     on_progress: ReplayProgress | None
 
 
+class EngineHost:
+    """The engine process, with one duplex pipe per client.
+
+    `connections` are the clients' ends: hand each to one process (a spawned child takes a Connection as an
+    argument) that calls `EngineProcess.connect(conn)`, or connect in this process. After starting the
+    children, close their ends here (`conn.close()`): the engine process sees a client leave only when no
+    process holds its end any more. The constructor returns at once; each client waits for the model to load
+    in `connect`."""
+
+    def __init__(self, config: EngineConfig | None = None, clients: int = 1, *, loader: Loader | None = None) -> None:
+        """`loader` (a module-level function, run in the engine process) replaces load_model."""
+        if clients < 1:
+            raise ValueError(f"clients: {clients} (at least 1)")
+        self.config = config or EngineConfig()
+        ctx = mp.get_context("spawn")
+        pipes = [ctx.Pipe(duplex=True) for _ in range(clients)]
+        control, self._control = ctx.Pipe(duplex=False)  # (the engine's read end, the host's write end)
+        self.connections: list[Connection] = [mine for mine, _ in pipes]
+        # not a daemon: the engine process starts the tensor-parallel ranks itself. _stop_at_exit stops it before
+        # multiprocessing's own exit handler joins it.
+        self._proc = ctx.Process(target=_engine_main, args=(self.config, [theirs for _, theirs in pipes], control,
+                                                             loader), name="verbatim-engine")
+        self._proc.start()
+        for _, theirs in pipes:
+            theirs.close()
+        control.close()
+        atexit.register(_stop_at_exit, weakref.ref(self))
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid
+
+    def join(self, timeout_s: float | None = None) -> None:
+        self._proc.join(timeout_s)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Tell the engine process to stop and wait for it; killed when it has not ended after `timeout_s`.
+        The clients' connections stay open (their holders close them)."""
+        try:
+            self._control.send(("stop",))
+        except OSError:
+            pass
+        self._control.close()
+        self._proc.join(timeout_s)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+def _stop_at_exit(ref: weakref.ref[EngineHost]) -> None:
+    host = ref()
+    if host is not None and host.alive():
+        host.stop(timeout_s=10)
+
+
 class EngineProcess(Fingerprinted):
-    """The engine in a spawned process; the same public interface as AsyncEngine."""
+    """A client of the engine process; the same public interface as AsyncEngine."""
 
     def __init__(self, config: EngineConfig | None = None, *, loader: Loader | None = None,
                  start_timeout_s: float | None = None) -> None:
-        """Starts the engine process and waits until its model is loaded (blocking: call it off the event
-        loop). `loader` (a module-level function, run in the engine process) replaces load_model. Raises
-        RuntimeError with the engine's own error when it cannot start."""
+        """Starts an engine process of its own (one-client EngineHost) and waits until its model is loaded
+        (blocking: call it off the event loop). `loader` (a module-level function, run in the engine process)
+        replaces load_model. Raises RuntimeError with the engine's own error when it cannot start."""
         self.config = config or EngineConfig()  # resolved by the engine process once it is ready
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        # not a daemon: the engine process starts the tensor-parallel ranks itself. It ends when told to, or
-        # when the pipe closes (this process gone); _close_at_exit closes the pipe before multiprocessing's own
-        # exit handler joins it.
-        self._proc = ctx.Process(target=_engine_main, args=(self.config, child, loader), name="verbatim-engine")
-        self._proc.start()
-        child.close()
-        atexit.register(_close_at_exit, weakref.ref(self))
+        host = EngineHost(self.config, 1, loader=loader)
+        try:
+            self._attach(host.connections[0], host, start_timeout_s)
+        except BaseException:
+            host.stop(timeout_s=5)
+            raise
+
+    @classmethod
+    def connect(cls, conn: Connection, *, start_timeout_s: float | None = None) -> EngineProcess:
+        """The client over one of an EngineHost's connections; waits until the engine's model is loaded
+        (blocking: call it off the event loop). Its shutdown closes only this connection."""
+        engine = cls.__new__(cls)
+        engine._attach(conn, None, start_timeout_s)
+        return engine
+
+    def _attach(self, conn: Connection, host: EngineHost | None, start_timeout_s: float | None) -> None:
+        self._conn, self._host = conn, host
         ready = self._wait_ready(start_timeout_s)
         self.config = ready.config
         self.tokenizer = ready.tokenizer
@@ -144,28 +271,32 @@ class EngineProcess(Fingerprinted):
         self._replays: dict[int, _ReplayJob] = {}
         self._tokens = itertools.count()
         self._dead: str | None = None
+        self._closing = False
         self._reader = threading.Thread(target=self._read, name="verbatim-engine-reader", daemon=True)
         self._reader.start()
+
+    def _gone(self, when: str) -> str:
+        if self._host is None:
+            return f"engine process exited{when} (its connection closed)"
+        self._host.join(5)
+        return f"engine process exited with code {self._host.exitcode}{when}"
 
     def _wait_ready(self, timeout_s: float | None) -> Ready:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             if not self._conn.poll(1.0):
                 if deadline is not None and time.monotonic() >= deadline:
-                    self._proc.kill()
                     raise RuntimeError(f"engine process: not ready after {timeout_s} s")
-                if not self._proc.is_alive():
-                    raise RuntimeError(f"engine process exited with code {self._proc.exitcode} while starting")
+                if self._host is not None and not self._host.alive():
+                    raise RuntimeError(self._gone(" while starting"))
                 continue
             try:
-                kind, *body = self._conn.recv()
-            except EOFError:
-                self._proc.join(5)
-                raise RuntimeError(f"engine process exited with code {self._proc.exitcode} while starting") from None
+                kind, body = decode_message(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                raise RuntimeError(self._gone(" while starting")) from None
             if kind == "log":
                 _relog(*body)
             elif kind == "failed":
-                self._proc.join(5)
                 raise RuntimeError(f"engine process could not start: {body[0]}")
             elif kind == "ready":
                 return body[0]
@@ -175,20 +306,19 @@ class EngineProcess(Fingerprinted):
         """The engine process runs from construction; kept for AsyncEngine's interface."""
 
     async def shutdown(self) -> None:
-        if self._proc.is_alive():
-            try:
-                self._send(("stop",))
-            except (OSError, RuntimeError):
-                pass
-            await asyncio.to_thread(self._proc.join, 30)
-            if self._proc.is_alive():
-                self._proc.kill()
-                await asyncio.to_thread(self._proc.join, 5)
-        await asyncio.to_thread(self._reader.join, 5)
+        """Close this client: its own engine process stops; a shared one aborts this client's requests and
+        serves the others on."""
+        self._closing = True
+        if self._host is not None:
+            await asyncio.to_thread(self._host.stop, 30)
+        else:
+            self._send_quiet(("close",))  # the engine process closes its end: the reader reads EOF
+        await asyncio.to_thread(self._reader.join, 30)
+        self._conn.close()
 
     @property
     def alive(self) -> bool:
-        return self._dead is None and self._proc.is_alive()
+        return self._dead is None and (self._host is None or self._host.alive())
 
     # ---- validation, stats ---------------------------------------------------------------------
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
@@ -279,7 +409,7 @@ class EngineProcess(Fingerprinted):
             token_logprobs=list(req.logprobs),
             top_logprobs=[dict(t) for t in req.top] if req.params.logprobs else None,
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            windows=list(d.windows), window_shape=self._window_shape, verify_passes=d.verify_passes,
+            windows=list(req.windows), window_shape=self._window_shape, verify_passes=d.verify_passes,
             rollbacks=d.rollbacks, recomputed_tokens=d.recomputed_tokens,
             prompt_logprobs=list(req.prompt_logprobs) if req.prompt_logprobs is not None else None,
             prompt_top_logprobs=([dict(t) for t in req.prompt_top_logprobs]
@@ -289,10 +419,9 @@ class EngineProcess(Fingerprinted):
     def _read(self) -> None:
         while True:
             try:
-                kind, *body = self._conn.recv()
+                kind, body = decode_message(self._conn.recv_bytes())
             except (EOFError, OSError):
-                self._proc.join(5)
-                self._fail_all(f"engine process exited (code {self._proc.exitcode})")
+                self._fail_all("engine process closed this client's connection" if self._closing else self._gone(""))
                 return
             try:
                 self._handle(kind, body)
@@ -304,7 +433,8 @@ class EngineProcess(Fingerprinted):
             deltas, stats = body
             if stats is not None:
                 self._stats = stats
-            self._deliver(deltas, None)
+            if deltas:
+                self._deliver(deltas, None)
         elif kind == "rejected":
             rid, message = body
             self._deliver([], (rid, ValueError(message)))
@@ -357,6 +487,9 @@ class EngineProcess(Fingerprinted):
                 req.tokens.extend(d.token_ids)
                 req.logprobs.extend(d.token_logprobs)
                 req.top.extend(d.top_logprobs or ())
+            if d.windows_from != len(req.windows) or d.windows:
+                del req.windows[d.windows_from:]
+                req.windows.extend(d.windows)
             req.last = d
             if req.queue is not None:
                 req.queue.put_nowait(True)
@@ -405,15 +538,6 @@ class EngineProcess(Fingerprinted):
         self._replays.clear()
 
 
-def _close_at_exit(ref: weakref.ref[EngineProcess]) -> None:
-    engine = ref()
-    if engine is not None and engine._proc.is_alive():
-        engine._send_quiet(("stop",))
-        engine._proc.join(10)
-        if engine._proc.is_alive():
-            engine._proc.kill()
-
-
 def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> bool:
     """`fn(*args)` on `loop`'s thread; False when that loop has closed (whoever waited there is gone)."""
     try:
@@ -437,33 +561,85 @@ def _relog(level: int, name: str, message: str) -> None:
 
 
 # ---- the engine process ----------------------------------------------------------------------------
-class _PipeLogHandler(logging.Handler):
-    """The engine process's log records, re-emitted by the serving process's logging."""
+class _Clients:
+    """The engine process's connections to its clients, by client number (its index in EngineHost's
+    `connections`), and the host's control pipe. Every send holds one lock: log records are sent from
+    whichever thread logs."""
 
-    def __init__(self, conn: Any, lock: threading.Lock) -> None:
+    def __init__(self, conns: list[Connection], control: Connection) -> None:
+        self.conns: dict[int, Connection] = dict(enumerate(conns))
+        self.control = control
+        self.lock = threading.Lock()
+        self.closed: list[int] = []  # clients whose connection failed on a send, for the loop to drop
+
+    def send(self, client: int, message: tuple[Any, ...]) -> None:
+        self._send(client, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def send_step(self, client: int, deltas: list[Delta], stats: EngineStats | None) -> None:
+        self._send(client, encode_step(deltas, stats))
+
+    def send_all(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        for client in list(self.conns):
+            self._send(client, data)
+
+    def send_log(self, message: tuple[Any, ...]) -> None:
+        """To the lowest-numbered client that takes it."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        with self.lock:
+            for conn in [self.conns[c] for c in sorted(self.conns)]:
+                try:
+                    conn.send_bytes(data)
+                    return
+                except OSError:
+                    continue
+
+    def _send(self, client: int, data: bytes | bytearray) -> None:
+        with self.lock:
+            conn = self.conns.get(client)
+            if conn is None:
+                return
+            try:
+                conn.send_bytes(data)
+            except OSError:  # its process is gone: the loop drops it before the next step
+                self.closed.append(client)
+                self.conns.pop(client).close()
+
+    def close(self, client: int) -> None:
+        with self.lock:
+            conn = self.conns.pop(client, None)
+        if conn is not None:
+            conn.close()
+
+    def client_of(self, conn: Connection) -> int | None:
+        return next((c for c, k in self.conns.items() if k is conn), None)
+
+
+class _PipeLogHandler(logging.Handler):
+    """The engine process's log records, re-emitted by one serving process's logging."""
+
+    def __init__(self, clients: _Clients) -> None:
         super().__init__()
-        self.conn, self.send_lock = conn, lock
+        self.clients = clients
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            with self.send_lock:
-                self.conn.send(("log", record.levelno, record.name, record.getMessage()))
+            self.clients.send_log(("log", record.levelno, record.name, record.getMessage()))
         except Exception:  # noqa: BLE001 - logging must never take the engine down
             pass
 
 
-def _engine_main(config: EngineConfig, conn: Any, loader: Loader | None) -> None:
-    lock = threading.Lock()
-    handler = _PipeLogHandler(conn, lock)
+def _engine_main(config: EngineConfig, conns: list[Connection], control: Connection, loader: Loader | None) -> None:
+    clients = _Clients(conns, control)
+    handler = _PipeLogHandler(clients)
     for name in ("engine", "auditor"):
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        loop = _EngineLoop(config, conn, lock, loader)
-    except BaseException as exc:  # noqa: BLE001 - the serving process reports it
-        with lock:
-            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        loop = _EngineLoop(config, clients, loader)
+    except BaseException as exc:  # noqa: BLE001 - the serving processes report it
+        clients.send_all(("failed", f"{type(exc).__name__}: {exc}"))
         return
     try:
         loop.run()
@@ -471,8 +647,62 @@ def _engine_main(config: EngineConfig, conn: Any, loader: Loader | None) -> None
         loop.core.close()  # tensor-parallel worker ranks, if any
 
 
+class _Publisher:
+    """What the engine process has sent of each request: its committed tokens and windows (both only grow),
+    and whether its prompt logprobs went out."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, tuple[int, int]] = {}  # request id -> (tokens sent, windows sent)
+        self.prompt_sent: set[str] = set()
+
+    def open(self, rid: str) -> None:
+        self.sent[rid] = (0, 0)
+
+    def forget(self, rid: str) -> None:
+        self.sent.pop(rid, None)
+        self.prompt_sent.discard(rid)
+
+    def clear(self) -> None:
+        self.sent.clear()
+        self.prompt_sent.clear()
+
+    def delta(self, seq: Any, force: bool = False) -> Delta | None:
+        """What `seq` committed since its last delta; None when nothing (unless `force`) or not a request."""
+        rid = seq.request_id
+        sent = self.sent.get(rid)
+        if sent is None or seq.kind is SeqKind.REPLAY:
+            return None
+        start, windows_from = sent
+        n, w, finished = len(seq.tokens), len(seq.windows), seq.is_finished
+        if n == start and w == windows_from and not finished and not force:
+            return None
+        prompt = seq.prompt_logprobs if rid not in self.prompt_sent else None
+        if prompt is not None:
+            self.prompt_sent.add(rid)
+        if finished:
+            self.forget(rid)
+        else:
+            self.sent[rid] = (n, w)
+        return Delta(rid, start, seq.tokens[start:n], seq.logprobs[start:n],
+                     seq.top_logprobs[start:n] if seq.params.logprobs else None,
+                     windows_from, seq.windows[windows_from:w] if w != windows_from else [], finished,
+                     seq.finish_reason.value if seq.finish_reason else None, seq.seed,
+                     seq.kind is SeqKind.DVR, seq.verify_passes, seq.rollbacks, seq.recomputed_tokens,
+                     prompt.logprobs if prompt is not None else None,
+                     prompt.top if prompt is not None else None)
+
+
+@dataclass
+class _EngineReplay:
+    client: int
+    token: int
+    requests: list[ReplayRequest]
+    seqs: list[Any]
+    reported: int = -1
+
+
 class _EngineLoop:
-    def __init__(self, config: EngineConfig, conn: Any, lock: threading.Lock, loader: Loader | None) -> None:
+    def __init__(self, config: EngineConfig, clients: _Clients, loader: Loader | None) -> None:
         import torch
 
         from engine import progress
@@ -481,7 +711,7 @@ class _EngineLoop:
         from engine.llm import detokenizer
         from engine.loading import load_model
 
-        self.conn, self.lock = conn, lock
+        self.clients = clients
         started = time.perf_counter()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
@@ -495,130 +725,152 @@ class _EngineLoop:
                 loaded.tp.close()
             raise
         progress.ready(self.core.config, str(getattr(loaded.info, "name", "?")), started)
-        self.published: dict[str, int] = {}
-        self.prompt_sent: set[str] = set()
-        self.replays: list[tuple[int, list[ReplayRequest], list[Any], int]] = []
+        self.publisher = _Publisher()
+        self.owner: dict[str, int] = {}  # request id -> the client that added it
+        self.replays: list[_EngineReplay] = []
         self.stats_at = 0.0
         self.stop = False
         core = self.core
-        self._send(("ready", Ready(core.config, loaded.tokenizer, loaded.info, runtime_fingerprint(core.config),
-                                   core.limits(), (core.config.group, core.config.window), core.stats())))
-
-    def _send(self, message: tuple[Any, ...]) -> None:
-        with self.lock:
-            self.conn.send(message)
+        clients.send_all(("ready", Ready(core.config, loaded.tokenizer, loaded.info, runtime_fingerprint(core.config),
+                                         core.limits(), (core.config.group, core.config.window), core.stats())))
 
     def run(self) -> None:
-        while not self.stop:
-            try:
-                busy = self.core.has_work()
-                commands = 0
-                while self.conn.poll(0 if busy or commands else 0.05):
-                    self._command(*self.conn.recv())
-                    commands += 1
-            except (EOFError, OSError):
-                return  # the serving process is gone
-            if self.stop:
+        while not self.stop and self.clients.conns:
+            commands = self._commands(0 if self.core.has_work() else 0.05)
+            if self.stop or not self.clients.conns:
                 continue
             if not self.core.has_work():
-                if commands:  # an abort or a rejection left the engine idle: its counters changed
-                    self._send(("step", [], self.core.stats()))
+                if commands:  # an abort, a rejection or a client gone left the engine idle: its counters changed
+                    self._send_steps({}, self.core.stats())
                 continue
             try:
                 touched = self.core.step()
             except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
                 self._fail_all(exc)
                 continue
-            deltas = [d for d in (self._delta(s) for s in touched) if d is not None]
+            by_client: dict[int, list[Delta]] = {}
+            for seq in touched:
+                d = self.publisher.delta(seq)
+                if d is not None:
+                    by_client.setdefault(self.owner[d.request_id], []).append(d)
+                    if d.finished:
+                        self.owner.pop(d.request_id, None)
             now = time.monotonic()
             stats = None
             if now - self.stats_at >= _STATS_EVERY_S or not self.core.has_work():
                 stats, self.stats_at = self.core.stats(), now
-            if deltas or stats is not None:
-                self._send(("step", deltas, stats))
+            self._send_steps(by_client, stats)
             self._replays()
 
-    def _command(self, kind: str, *body: Any) -> None:
+    def _commands(self, timeout: float) -> int:
+        """Run every command waiting on the pipes (waiting up to `timeout` for the first); how many ran,
+        counting clients dropped."""
+        count = 0
+        while True:
+            count += self._drop_closed()
+            conns = list(self.clients.conns.values())
+            ready = wait([*conns, self.clients.control], timeout if count == 0 else 0)
+            if not ready:
+                return count
+            for conn in ready:
+                if conn is self.clients.control:
+                    try:
+                        self.stop = self.stop or self.clients.control.recv()[0] == "stop"
+                    except (EOFError, OSError):
+                        self.stop = True  # the host's process is gone
+                    continue
+                client = self.clients.client_of(conn)
+                if client is None:
+                    continue
+                try:
+                    message = conn.recv()
+                except (EOFError, OSError):
+                    self._drop(client)
+                else:
+                    self._command(client, *message)
+                count += 1
+            if self.stop:
+                return count
+
+    def _command(self, client: int, kind: str, *body: Any) -> None:
         if kind == "add":
             rid, prompt, params = body
             try:
                 self.core.add_request(rid, prompt, params)
-                self.published[rid] = 0
+                self.publisher.open(rid)
+                self.owner[rid] = client
             except ValueError as exc:
-                self._send(("rejected", rid, str(exc)))
+                self.clients.send(client, ("rejected", rid, str(exc)))
         elif kind == "abort":
             rid, token = body
-            seq = self.core.abort(rid)
-            delta = self._delta(seq, force=True) if seq is not None and seq.replay is None else None
-            self.published.pop(rid, None)
+            delta = None
+            if self.owner.get(rid) == client:
+                seq = self.core.abort(rid)
+                delta = self.publisher.delta(seq, force=True) if seq is not None and seq.replay is None else None
+                self.publisher.forget(rid)
+                self.owner.pop(rid)
             if token is not None or delta is not None:
-                self._send(("aborted", token, delta))
+                self.clients.send(client, ("aborted", token, delta))
         elif kind == "replay":
             token, requests = body
             try:
                 from engine.replay import add_replays
 
-                seqs = add_replays(self.core, [dataclass_replace_id(r, f"replay-{token}-{i}-{r.replay_id}")
-                                               for i, r in enumerate(requests)])
-                self.replays.append((token, requests, seqs, -1))
+                # tokens count per client: the client's number keeps two clients' replays apart
+                seqs = add_replays(self.core, [
+                    dataclasses.replace(r, replay_id=f"replay-{client}-{token}-{i}-{r.replay_id}")
+                    for i, r in enumerate(requests)])
+                self.replays.append(_EngineReplay(client, token, requests, seqs))
             except ValueError as exc:
-                self._send(("replayed", token, None, str(exc)))
-        elif kind == "stop":
-            self.stop = True
+                self.clients.send(client, ("replayed", token, None, str(exc)))
+        elif kind == "close":
+            self._drop(client)
 
-    def _delta(self, seq: Any, force: bool = False) -> Delta | None:
-        from engine.sequence import SeqKind
+    def _drop(self, client: int) -> None:
+        """A client left: abort its requests and replays, close its end."""
+        for rid in [r for r, c in self.owner.items() if c == client]:
+            self.core.abort(rid)
+            self.publisher.forget(rid)
+            self.owner.pop(rid)
+        for job in [j for j in self.replays if j.client == client]:
+            for seq in job.seqs:
+                self.core.abort(seq.request_id)
+            self.replays.remove(job)
+        self.clients.close(client)
 
-        if seq.kind == SeqKind.REPLAY:
-            return None
-        rid = seq.request_id
-        start = self.published.get(rid)
-        if start is None:
-            return None
-        n = len(seq.tokens)
-        if n == start and not seq.is_finished and not force:
-            return None
-        self.published[rid] = n
-        prompt = seq.prompt_logprobs if rid not in self.prompt_sent else None
-        if prompt is not None:
-            self.prompt_sent.add(rid)
-        if seq.is_finished:
-            self.published.pop(rid, None)
-            self.prompt_sent.discard(rid)
-        return Delta(rid, start, seq.tokens[start:n], seq.logprobs[start:n],
-                     [dict(t) for t in seq.top_logprobs[start:n]] if seq.params.logprobs else None,
-                     list(seq.windows), seq.is_finished,
-                     seq.finish_reason.value if seq.finish_reason else None, seq.seed,
-                     seq.kind == SeqKind.DVR, seq.verify_passes, seq.rollbacks, seq.recomputed_tokens,
-                     list(prompt.logprobs) if prompt is not None else None,
-                     [dict(t) for t in prompt.top] if prompt is not None and prompt.top is not None else None)
+    def _drop_closed(self) -> int:
+        closed, self.clients.closed = self.clients.closed, []
+        for client in closed:
+            self._drop(client)
+        return len(closed)
+
+    def _send_steps(self, by_client: dict[int, list[Delta]], stats: EngineStats | None) -> None:
+        for client in (list(self.clients.conns) if stats is not None else by_client):
+            self.clients.send_step(client, by_client.get(client, []), stats)
 
     def _replays(self) -> None:
         from engine.replay import replay_results
 
         keep = []
-        for token, requests, seqs, reported in self.replays:
-            done = sum(len(s.replay.predicted) for s in seqs if s.replay is not None)
-            if done != reported:
-                self._send(("replay_progress", token, done, sum(len(r.token_ids) for r in requests)))
-            if all(s.is_finished for s in seqs):
-                self._send(("replayed", token, replay_results(requests, seqs), None))
+        for job in self.replays:
+            done = sum(len(s.replay.predicted) for s in job.seqs if s.replay is not None)
+            if done != job.reported:
+                self.clients.send(job.client, ("replay_progress", job.token, done,
+                                               sum(len(r.token_ids) for r in job.requests)))
+            if all(s.is_finished for s in job.seqs):
+                self.clients.send(job.client, ("replayed", job.token, replay_results(job.requests, job.seqs), None))
             else:
-                keep.append((token, requests, seqs, done))
+                job.reported = done
+                keep.append(job)
         self.replays = keep
 
     def _fail_all(self, exc: Exception) -> None:
         """A failed step leaves no trustworthy state: abort everything and tell every waiter."""
         for rid in list(self.core.seqs):
             self.core.abort(rid)
-        self.published.clear()
-        self._send(("step_failed", repr(exc)))
-        for token, _, _, _ in self.replays:
-            self._send(("replayed", token, None, f"engine step failed: {exc!r}"))
+        self.publisher.clear()
+        self.owner.clear()
+        self.clients.send_all(("step_failed", repr(exc)))
+        for job in self.replays:
+            self.clients.send(job.client, ("replayed", job.token, None, f"engine step failed: {exc!r}"))
         self.replays = []
-
-
-def dataclass_replace_id(req: ReplayRequest, replay_id: str) -> ReplayRequest:
-    import dataclasses
-
-    return dataclasses.replace(req, replay_id=replay_id)
