@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import datetime as dt
 import hashlib
 import json
 import re
@@ -99,11 +100,14 @@ class Cluster:
 
 class Load:
     """Clients that spread requests over the live replicas and retry elsewhere when one fails
-    (``failures``: per replica, requests cut off or answered with another status than 200)."""
+    (``failures``: per replica, requests cut off or answered with another status than 200).
+    ``read_back``: each transcript received is read at once from another replica (its access-log row
+    and its sync with the log run while the others append)."""
 
-    def __init__(self, urls: list[str], keys: dict[str, str]) -> None:
+    def __init__(self, urls: list[str], keys: dict[str, str], *, read_back: bool = False) -> None:
         self.urls = urls
         self.keys = keys
+        self.read_back = read_back
         self.dead: set[int] = set()
         self.in_flight = Counter[int]()
         self.failures = Counter[int]()
@@ -126,6 +130,8 @@ class Load:
             if transcript is not None:
                 self.received.append((tenant, transcript))
                 self.done += 1
+                if self.read_back:
+                    await self._read(replica + 1 + n % (len(self.urls) - 1), transcript, self.keys[tenant])
                 return
         raise AssertionError(f"request {n} of {tenant} failed on every replica")
 
@@ -146,6 +152,21 @@ class Load:
         if transcript is None:
             self.failures[replica] += 1
         return transcript
+
+
+    async def _read(self, replica: int, transcript_id: str, key: str) -> None:
+        replica %= len(self.urls)
+        if replica in self.dead:
+            return
+        try:
+            async with httpx.AsyncClient(base_url=self.urls[replica], timeout=60,
+                                         headers={"Authorization": f"Bearer {key}"}) as client:
+                response = await client.get(f"/v1/transcripts/{transcript_id}")
+            ok = response.status_code == 200 and response.json()["transcript"]["id"] == transcript_id
+        except (httpx.TransportError, ValueError, KeyError):
+            ok = False
+        if not ok:
+            self.failures[replica] += 1
 
 
 async def kill_under_load(cluster: Cluster, load: Load, victim: int, after: int) -> None:
@@ -247,3 +268,50 @@ async def share_one_witness(settings: Settings, tmp_path: Path) -> None:
     assert all(cosigned) and sum(int(c.group(1)) for c in cosigned) >= 2, metrics
     assert not any('outcome="refused"' in m or 'outcome="error"' in m for m in metrics), metrics
     assert not (tmp_path / "witness" / "evidence.jsonl").exists()
+
+
+async def replay_jobs_run_once(settings: Settings) -> None:
+    """Two apps (each with its replay worker and engine) on the database of ``settings`` replay six jobs
+    submitted to either and one left running by a dead process: each is replayed and attested once."""
+    from tests.auditor.test_replay_fake import ReplayFakeEngine
+
+    engines = [ReplayFakeEngine(), ReplayFakeEngine()]
+    key = await make_key(settings, "acme", "client")
+    async with serving(settings, engines[0], {}) as a, serving(with_port(settings), engines[1], {}) as b:
+        apps = (a, b)
+        headers = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(headers=headers, timeout=60) as http:
+            tids = []
+            for n in range(7):
+                body = {"model": MODEL, "prompt": f"replay {n}", "max_tokens": 6, "deterministic": True, "seed": n}
+                tids.append((await http.post(f"{apps[n % 2].url}/v1/completions", json=body)).json()["transcript"]["id"])
+            jobs = [(await http.post(f"{apps[n % 2].url}/v1/transcripts/{tid}/replay")).json()
+                    for n, tid in enumerate(tids[:6])]
+            db = create_engine(settings.resolved_database_url, schema=settings.database_schema)
+            try:
+                async with db.begin() as connection:
+                    await connection.execute(text(
+                        "INSERT INTO replay_jobs (id, tenant, transcript_id, requested_by, status, created_at, "
+                        "claimed_by, lease_expires_at) VALUES (:id, 'acme', :tid, 'k', 'running', :now, "
+                        "'dead-host:1:0', :past)"), {"id": "0190a0a0-0000-7000-8000-00000000dead", "tid": tids[6],
+                                                     "now": dt.datetime.now(dt.UTC),
+                                                     "past": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)})
+                ids = [j["id"] for j in jobs] + ["0190a0a0-0000-7000-8000-00000000dead"]
+                done = [await _until_done(http, apps[(n + 1) % 2].url, job_id) for n, job_id in enumerate(ids)]
+                async with db.connect() as connection:
+                    leaves = (await connection.execute(text(
+                        "SELECT replay_job_id FROM log_leaves WHERE kind = 'replay_attestation'"))).all()
+            finally:
+                await db.dispose()
+    assert [d["result"] for d in done] == ["match"] * 7, done
+    assert sorted(row[0] for row in leaves) == sorted(ids)
+    assert sum(sum(e.replay_calls) for e in engines) == 7, [e.replay_calls for e in engines]
+
+
+async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[str, Any]:
+    for _ in range(300):
+        job = (await http.get(f"{url}/v1/replays/{job_id}")).json()
+        if job["status"] in ("done", "failed"):
+            return job
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"replay {job_id} did not finish: {job}")

@@ -17,20 +17,18 @@ import random
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from alembic.script import ScriptDirectory
 
 from auditor.db import migrate
-from auditor.db.session import create_engine
 from auditor.settings import Settings
 from tests.auditor.conftest import LiveServer, make_key, postgres_url, serving, with_port
 from tests.auditor.fake_engine import FakeAsyncEngine
 from tests.auditor.processes import run_cli
 from tests.auditor.replicas_support import (MODEL, Cluster, Load, check_log, create_database, drop_database,
-                                           kill_under_load, rows, share_one_witness)
+                                           kill_under_load, replay_jobs_run_once, rows, share_one_witness)
 
 pytestmark = pytest.mark.postgres
 
@@ -229,52 +227,7 @@ async def test_replay_jobs_run_once_across_replicas(pg_settings: Settings) -> No
     """Two apps (each with its replay worker and engine) on one database: every job is replayed and
     attested exactly once, whichever app took it; a job left running by a dead process is taken back
     once its lease has passed."""
-    import datetime as dt
-
-    from sqlalchemy import text
-
-    from tests.auditor.test_replay_fake import ReplayFakeEngine
-
-    engines = [ReplayFakeEngine(), ReplayFakeEngine()]
-    key = await make_key(pg_settings, "acme", "client")
-    async with serving(pg_settings, engines[0], {}) as a, serving(with_port(pg_settings), engines[1], {}) as b:
-        apps = (a, b)
-        headers = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(headers=headers, timeout=60) as http:
-            tids = []
-            for n in range(7):
-                body = {"model": MODEL, "prompt": f"replay {n}", "max_tokens": 6, "deterministic": True, "seed": n}
-                tids.append((await http.post(f"{apps[n % 2].url}/v1/completions", json=body)).json()["transcript"]["id"])
-            jobs = [(await http.post(f"{apps[n % 2].url}/v1/transcripts/{tid}/replay")).json()
-                    for n, tid in enumerate(tids[:6])]
-            db = create_engine(pg_settings.resolved_database_url, schema=pg_settings.database_schema)
-            try:
-                async with db.begin() as connection:
-                    await connection.execute(text(
-                        "INSERT INTO replay_jobs (id, tenant, transcript_id, requested_by, status, created_at, "
-                        "claimed_by, lease_expires_at) VALUES (:id, 'acme', :tid, 'k', 'running', :now, "
-                        "'dead-host:1:0', :past)"), {"id": "0190a0a0-0000-7000-8000-00000000dead", "tid": tids[6],
-                                                     "now": dt.datetime.now(dt.UTC),
-                                                     "past": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)})
-                ids = [j["id"] for j in jobs] + ["0190a0a0-0000-7000-8000-00000000dead"]
-                done = [await _until_done(http, apps[(n + 1) % 2].url, job_id) for n, job_id in enumerate(ids)]
-                async with db.connect() as connection:
-                    leaves = (await connection.execute(text(
-                        "SELECT replay_job_id FROM log_leaves WHERE kind = 'replay_attestation'"))).all()
-            finally:
-                await db.dispose()
-    assert [d["result"] for d in done] == ["match"] * 7, done
-    assert sorted(row[0] for row in leaves) == sorted(ids)
-    assert sum(sum(e.replay_calls) for e in engines) == 7, [e.replay_calls for e in engines]
-
-
-async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[str, Any]:
-    for _ in range(300):
-        job = (await http.get(f"{url}/v1/replays/{job_id}")).json()
-        if job["status"] in ("done", "failed"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"replay {job_id} did not finish: {job}")
+    await replay_jobs_run_once(pg_settings)
 
 
 # --- witnessing from several replicas ------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Several serving processes on ONE SQLite file (the default ``<data_dir>/verbatim.db``) on one host:
 three real ``python -m auditor serve`` processes (the fake engine) started together on a fresh data
-directory, clients of three tenants spread over them. Afterwards no request failed, every transcript
+directory, clients of three tenants spread over them, each transcript read back at once from another
+process (an access-log row, a sync of that process's tree). Afterwards no request failed, every transcript
 verifies, the log is one tree whose size is the number of completions (every stored checkpoint a prefix
 of it), and each tenant's chain has no duplicate and no missing sequence number. The same holds after
 one process is killed with SIGKILL while requests are in flight.
@@ -8,7 +9,7 @@ one process is killed with SIGKILL while requests are in flight.
 Also, each lock on its own, with separate SQLAlchemy engines on one file in one process (SQLite's locks
 are per connection, so they contend as processes do): two ledgers appending at once make one log, two
 replay workers never claim one job twice, concurrent bootstraps create one admin key; and, with real
-processes or apps, concurrent ``migrate`` commands and two apps sharing one witness.
+processes or apps, concurrent ``migrate`` commands, two apps sharing one witness, two apps replaying.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from auditor.transcript import uuid7
 from tests.auditor import independent
 from tests.auditor.conftest import make_key, sqlite_settings
 from tests.auditor.processes import run_cli
-from tests.auditor.replicas_support import Cluster, Load, check_log, kill_under_load, rows, share_one_witness
+from tests.auditor.replicas_support import (Cluster, Load, check_log, kill_under_load, replay_jobs_run_once, rows,
+                                           share_one_witness)
 from tests.auditor.test_ledger_batching import check_chains, draft
 
 TENANTS = ("acme", "globex", "initech")
@@ -54,7 +56,7 @@ async def test_three_processes_share_one_sqlite_file(tmp_path: Path) -> None:
         outputs = [r.output() for r in cluster.replicas]
         assert sum(o.count("Created the first admin API key") for o in outputs) == 1, [o[-500:] for o in outputs]
         keys = {t: await make_key(Settings(data_dir=cluster.data_dir), t, "client") for t in TENANTS}
-        load = Load(cluster.urls, keys)
+        load = Load(cluster.urls, keys, read_back=True)
         requests = [(t, n) for n in range(12) for t in TENANTS]
         await _send(load, requests, seed=31)
         assert not +load.failures, load.failures
@@ -192,3 +194,8 @@ async def test_two_processes_share_one_witness(tmp_path: Path) -> None:
     """Two apps on one SQLite file and one witness: one submits at a time (a file lock per witness), so
     no cosignature is stored twice and no submission is refused."""
     await share_one_witness(await asyncio.to_thread(sqlite_settings, tmp_path / "data"), tmp_path)
+
+
+async def test_replay_jobs_run_once_across_processes(tmp_path: Path) -> None:
+    """Two apps, each with its replay worker, on one SQLite file: every job is replayed and attested once."""
+    await replay_jobs_run_once(await asyncio.to_thread(sqlite_settings, tmp_path / "data"))
