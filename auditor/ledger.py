@@ -250,10 +250,11 @@ class Ledger:
 
     @contextlib.asynccontextmanager
     async def transaction(self) -> AsyncIterator[AsyncSession]:
-        """A session in ONE transaction under the append lock (in-process asyncio lock plus, on
-        PostgreSQL, an advisory lock): use ``append_leaf`` inside it. Before it commits, one checkpoint
-        is signed over what was appended (after the incremental check). A failure rolls everything
-        back and truncates the in-memory tree to what is committed."""
+        """A session in ONE transaction under the append lock (in-process asyncio lock plus, across
+        processes, ``repository.lock_log``: an advisory lock on PostgreSQL, the write lock on SQLite,
+        taken before the transaction reads anything): use ``append_leaf`` inside it. Before it
+        commits, one checkpoint is signed over what was appended (after the incremental check). A
+        failure rolls everything back and truncates the in-memory tree to what is committed."""
         await self._writable()
         async with self._lock:
             start: int | None = None

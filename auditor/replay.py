@@ -28,10 +28,11 @@ Verdicts (``auditor.attestation.ReplayVerdict``):
   the order of the partial sums are part of the numerics (``executed: false``).
 
 Several server processes (replicas) may share one database: a worker claims queued jobs with
-``SELECT … FOR UPDATE SKIP LOCKED`` and holds a lease on them (``claimed_by``, ``lease_expires_at``),
-renewed while it runs; a ``running`` job whose lease has passed (its process died) is queued again by
-any worker. A worker that lost its lease does not commit. The job row and its log leaf are written in
-one ``Ledger.transaction()``, so a crash leaves either a finished, logged job or a job that is rerun.
+``SELECT … FOR UPDATE SKIP LOCKED`` (on SQLite under the database's write lock, taken before the
+select) and holds a lease on them (``claimed_by``, ``lease_expires_at``), renewed while it runs; a
+``running`` job whose lease has passed (its process died) is queued again by any worker (one UPDATE).
+A worker that lost its lease does not commit. The job row and its log leaf are written in one
+``Ledger.transaction()``, so a crash leaves either a finished, logged job or a job that is rerun.
 """
 
 from __future__ import annotations
@@ -364,9 +365,12 @@ class ReplayService:
             job = await session.get(ReplayJob, replay_id)
             if job is None or job.tenant != principal.tenant:
                 raise not_found(f"replay {replay_id!r} not found")
+            evidence = await self._evidence(session, job)
+            # The access row last: on SQLite its INSERT holds the write lock to the commit, and the
+            # evidence may wait for this process's ledger, which may be waiting for that lock.
             if record:
                 await record_access(session, principal, AccessAction.READ, f"replay:{replay_id}")
-            return {**job_json(job), "evidence": await self._evidence(session, job)}
+            return {**job_json(job), "evidence": evidence}
 
     async def _evidence(self, session: AsyncSession, job: ReplayJob) -> dict[str, Any] | None:
         """The attestation as an offline-verifiable file (``auditor.verify``): envelope, inclusion proof
@@ -452,8 +456,10 @@ class ReplayService:
 
     async def _claim(self, job_ids: Sequence[str] | None = None) -> list[str]:
         """Mark up to ``max_batch`` queued jobs (oldest first, or the given ones) running under this
-        worker's lease; rows another worker is claiming at the same moment are skipped."""
+        worker's lease; rows another worker is claiming at the same moment are skipped (PostgreSQL), or
+        the other worker's claim commits first (SQLite: the write lock, taken before the rows are read)."""
         async with self.services.sessionmaker() as session, session.begin():
+            await repository.lock_writes(session)
             query = select(ReplayJob.id).where(ReplayJob.status == ReplayStatus.QUEUED.value)
             if job_ids is not None:
                 query = query.where(ReplayJob.id.in_(list(job_ids)))

@@ -34,16 +34,37 @@ def iso_utc(value: dt.datetime) -> str:
     return utc(value).astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
 
 
-# --- append lock -------------------------------------------------------------------------------
+# --- cross-process locks ------------------------------------------------------------------------
 
 
 async def lock_log(session: AsyncSession) -> None:
-    """Serialize log appends across processes on PostgreSQL (held until the transaction ends).
-
-    SQLite serializes writers itself; within one process the service also holds an asyncio lock.
-    """
+    """Serialize log appends across processes, held until the transaction ends: the advisory lock on
+    PostgreSQL, the database's write lock on SQLite (``lock_writes``). Call it first in the transaction."""
     if session.bind.dialect.name == "postgresql":
         await session.execute(text("SELECT pg_advisory_xact_lock(7262010301)"))
+    else:
+        await lock_writes(session)
+
+
+async def lock_writes(session: AsyncSession) -> None:
+    """On SQLite, take the database's write lock as the transaction's FIRST statement, waiting for it
+    (busy_timeout): every later read of the transaction then sees every commit of every process, and
+    no other connection writes until this transaction ends. A no-op on PostgreSQL, where callers take
+    advisory or row locks instead.
+
+    Why ``BEGIN IMMEDIATE`` issued here, rather than SQLAlchemy's recipe of emitting BEGIN in a
+    "begin" event, or a write to a one-row lock table: the driver (Python's sqlite3 in its default,
+    legacy transaction control, kept by aiosqlite and SQLAlchemy's dialect) opens a transaction
+    implicitly only before INSERT / UPDATE / DELETE / REPLACE, so until then this connection holds no
+    transaction and no snapshot; this statement opens one with the write lock, and the driver's
+    commit() and rollback() end it (they ask SQLite whether one is open). The recipe changes how every
+    transaction of an engine begins (these locks are taken on the shared request engine too): a
+    deferred BEGIN before a request's reads makes its access-log INSERT fail with SQLITE_BUSY_SNAPSHOT,
+    without waiting, whenever another process commits in between. A lock table needs a migration and
+    a row write per append for what SQLite does with one statement. A caller that already wrote in
+    the transaction gets SQLite's "cannot start a transaction within a transaction"."""
+    if session.bind.dialect.name == "sqlite":
+        await session.execute(text("BEGIN IMMEDIATE"))
 
 
 # --- transcripts and the per-tenant chain -------------------------------------------------------
@@ -188,17 +209,19 @@ async def add_cosignature(session: AsyncSession, row: CheckpointCosignature) -> 
 
 
 async def lock(session: AsyncSession, name: str) -> None:
-    """Wait for the PostgreSQL advisory lock named ``name``, held to the end of the transaction
-    (server processes starting together do one-time set-up one at a time); a no-op on SQLite."""
+    """Wait for the lock named ``name``, held to the end of the transaction (server processes starting
+    together do one-time set-up one at a time): a PostgreSQL advisory lock; on SQLite, the database's
+    write lock (``lock_writes``: every writer, not only this name). Call it first in the transaction."""
     if session.bind.dialect.name == "postgresql":
         await session.execute(text("SELECT pg_advisory_xact_lock(hashtext(:name))"), {"name": name})
+    else:
+        await lock_writes(session)
 
 
 async def try_lock(session: AsyncSession, name: str) -> bool:
-    """A PostgreSQL advisory lock named ``name`` for the rest of the transaction, if free (one server
-    process at a time does the named work); always granted on SQLite (one process per database)."""
-    if session.bind.dialect.name != "postgresql":
-        return True
+    """The PostgreSQL advisory lock named ``name`` for the rest of the transaction, if free (one server
+    process at a time does the named work). SQLite has no named locks: see ``auditor.db.filelock``."""
+    assert session.bind.dialect.name == "postgresql", session.bind.dialect.name
     return bool(await session.scalar(text("SELECT pg_try_advisory_xact_lock(hashtext(:name))"), {"name": name}))
 
 

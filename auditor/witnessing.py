@@ -3,9 +3,10 @@ consistency proof from the size each witness last cosigned, and store the cosign
 
 A background task per server process checks every ``witness_interval`` seconds for a latest checkpoint a
 witness has not cosigned. Per witness, one process at a time submits (a PostgreSQL advisory lock held for
-the transaction), so replicas do not race one another; a witness that has moved on (409 with its size)
-is answered once more from that size. Stored cosignatures are merged into every checkpoint the server
-serves (``with_cosignatures``), so transcripts, replays and bundles carry them.
+the transaction; on SQLite a file lock beside the database), so replicas do not race one another; a
+witness that has moved on (409 with its size) is answered once more from that size. Stored cosignatures
+are merged into every checkpoint the server serves (``with_cosignatures``), so transcripts, replays and
+bundles carry them.
 
 A witness refusing a correctly signed checkpoint (422: the proof from what it cosigned does not verify;
 409 on a root conflict) means the log is not an extension of what was witnessed: it is logged as an
@@ -15,9 +16,10 @@ error and counted, and the checkpoint stays uncosigned.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +28,7 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from auditor import repository
 from auditor.cosignature import CosignatureError, CosignerKey, signature_lines, verify_cosignatures, with_signature_lines
+from auditor.db import filelock
 from auditor.db.models import CheckpointCosignature, LogCheckpoint
 from auditor.logs import log_failure
 from auditor.witness.client import Answer, add_checkpoint
@@ -141,8 +144,8 @@ class WitnessPool:
 
     async def _cosign_latest(self, endpoint: WitnessEndpoint) -> None:
         name = endpoint.key.name
-        async with self._locks[name], self._sessionmaker() as session, session.begin():
-            if not await repository.try_lock(session, f"verbatim-witness:{name}"):
+        async with self._locks[name], _round(self._sessionmaker, name) as session:
+            if session is None:
                 return  # another server process is talking to this witness
             checkpoint = await repository.latest_checkpoint(session)
             if checkpoint is None or self._refused.get(name) == checkpoint.tree_size or \
@@ -207,6 +210,23 @@ class WitnessPool:
     def _report(self, endpoint: WitnessEndpoint, outcome: str, message: str, level: int) -> None:
         log.log(level, message, extra={"event": "witness_" + outcome})
         self._on_result(endpoint.key.name, outcome)
+
+
+@contextlib.asynccontextmanager
+async def _round(sessionmaker: async_sessionmaker[AsyncSession], witness: str) -> AsyncIterator[AsyncSession | None]:
+    """A session in one transaction holding the round's lock for ``witness``, or None when another
+    process holds it: a PostgreSQL advisory lock released by the commit, or on SQLite a file lock
+    (``auditor.db.filelock``; SQLite's write lock would stop every append while the witness answers)
+    released after the commit, so the next holder sees the cosignature stored."""
+    async with sessionmaker() as session:
+        url = session.bind.url
+        if url.get_backend_name() == "sqlite":
+            with filelock.try_held(url, "witness-" + filelock.file_name(witness)) as mine:
+                async with session.begin():
+                    yield session if mine else None
+            return
+        async with session.begin():
+            yield session if await repository.try_lock(session, f"verbatim-witness:{witness}") else None
 
 
 def _lines(body: str) -> list[str]:

@@ -15,6 +15,7 @@ from alembic import context
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from auditor.db import filelock
 from auditor.db.models import Base
 from auditor.db.session import create_engine
 
@@ -49,8 +50,11 @@ MIGRATION_LOCK = 7262010302
 
 
 def _run_sync(connection: Connection) -> None:
+    """Replicas starting together migrate one at a time: a PostgreSQL advisory lock, or on a SQLite
+    file a file lock beside it (two processes that both found no ``alembic_version`` would both run
+    the first migration); the next to get the lock finds the schema at head."""
     _configure(connection)
-    with context.begin_transaction():
+    with filelock.held(connection.engine.url, "migrate"), context.begin_transaction():
         if connection.dialect.name == "postgresql":
             connection.execute(text(f"SELECT pg_advisory_xact_lock({MIGRATION_LOCK})"))
         context.run_migrations()

@@ -11,35 +11,28 @@ Also (in-process, two apps on one database and one Redis): console sessions and 
 from __future__ import annotations
 
 import asyncio
-import base64
-import hashlib
 import json
 import os
 import random
-from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 from alembic.script import ScriptDirectory
 
 from auditor.db import migrate
-from auditor.db.session import create_engine
 from auditor.settings import Settings
-from auditor.verify import verify_document
-from tests.auditor import independent
 from tests.auditor.conftest import LiveServer, make_key, postgres_url, serving, with_port
 from tests.auditor.fake_engine import FakeAsyncEngine
 from tests.auditor.processes import run_cli
-from tests.auditor.replicas_support import Cluster, create_database, drop_database
+from tests.auditor.replicas_support import (MODEL, Cluster, Load, check_log, create_database, drop_database,
+                                           kill_under_load, replay_jobs_run_once, rows, share_one_witness)
 
 pytestmark = pytest.mark.postgres
 
 REDIS_ENV = "VERBATIM_TEST_REDIS_URL"
-MODEL = "fake-model"
 TENANTS = ("acme", "globex", "initech")
 
 
@@ -68,84 +61,6 @@ def replica_database() -> Iterator[str]:
 # --- three processes, one killed ----------------------------------------------------------------------
 
 
-class Load:
-    """Clients that spread requests over the live replicas and retry elsewhere when one fails."""
-
-    def __init__(self, urls: list[str], keys: dict[str, str]) -> None:
-        self.urls = urls
-        self.keys = keys
-        self.dead: set[int] = set()
-        self.in_flight = Counter[int]()
-        self.failures = Counter[int]()
-        self.received: list[tuple[str, str]] = []
-        self.done = 0
-
-    async def request(self, tenant: str, n: int) -> None:
-        body: dict[str, Any] = {"model": MODEL, "max_tokens": 24 if n % 3 == 0 else 8, "seed": n,
-                                "deterministic": n % 2 == 0, "stream": n % 3 == 0}
-        if n % 4 == 0:
-            body["messages"] = [{"role": "user", "content": f"request {n} of {tenant}"}]
-        else:
-            body["prompt"] = f"request {n} of {tenant}"
-        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
-        for attempt in range(6):
-            replica = (n + attempt) % len(self.urls)
-            if replica in self.dead:
-                continue
-            transcript = await self._once(replica, path, body, self.keys[tenant])
-            if transcript is not None:
-                self.received.append((tenant, transcript))
-                self.done += 1
-                return
-        raise AssertionError(f"request {n} of {tenant} failed on every replica")
-
-    async def _once(self, replica: int, path: str, body: dict[str, Any], key: str) -> str | None:
-        self.in_flight[replica] += 1
-        try:
-            async with httpx.AsyncClient(base_url=self.urls[replica], timeout=60,
-                                         headers={"Authorization": f"Bearer {key}"}) as client:
-                if not body["stream"]:
-                    response = await client.post(path, json=body)
-                    return response.json()["transcript"]["id"] if response.status_code == 200 else None
-                return await _streamed_transcript(client, path, body)
-        except (httpx.TransportError, ValueError, KeyError):
-            self.failures[replica] += 1
-            return None
-        finally:
-            self.in_flight[replica] -= 1
-
-
-async def _streamed_transcript(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str | None:
-    transcript, done = None, False
-    async with client.stream("POST", path, json=body) as response:
-        if response.status_code != 200:
-            return None
-        async for line in response.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                transcript = json.loads(line[6:]).get("transcript", {}).get("id") or transcript
-    return transcript if done else None
-
-
-async def _kill_under_load(cluster: Cluster, load: Load, victim: int, after: int) -> None:
-    while load.done < after or load.in_flight[victim] == 0:
-        await asyncio.sleep(0.005)
-    load.dead.add(victim)
-    cluster.replicas[victim].kill()
-
-
-async def _rows(url: str, query: str) -> list[Any]:
-    from sqlalchemy import text
-
-    engine = create_engine(url)
-    try:
-        async with engine.connect() as connection:
-            return list((await connection.execute(text(query))).all())
-    finally:
-        await engine.dispose()
-
-
 async def test_three_replicas_one_killed_under_load(replica_database: str, tmp_path: Path) -> None:
     cluster = Cluster(replica_database, tmp_path / "data", redis_url(),
                       {"VERBATIM_RATE_LIMIT_PER_SECOND": "10000", "VERBATIM_RATE_LIMIT_BURST": "10000",
@@ -166,51 +81,15 @@ async def test_three_replicas_one_killed_under_load(replica_database: str, tmp_p
             while not queue.empty():
                 await load.request(*queue.get_nowait())
 
-        killer = asyncio.create_task(_kill_under_load(cluster, load, victim=2, after=len(requests) // 3))
+        killer = asyncio.create_task(kill_under_load(cluster, load, victim=2, after=len(requests) // 3))
         await asyncio.gather(*(client() for _ in range(12)))
         await killer
         assert cluster.replicas[2].proc.returncode == -9
         assert load.failures[2] >= 1, load.failures  # requests were cut off by the kill and retried elsewhere
         assert len(load.received) == len(requests)
-        await _check_everything(cluster, load)
+        await check_log(cluster, load, TENANTS)
     finally:
         cluster.stop()
-
-
-async def _check_everything(cluster: Cluster, load: Load) -> None:
-    survivor = cluster.urls[0]
-    async with httpx.AsyncClient(base_url=survivor, timeout=60) as http:
-        jwks = (await http.get("/.well-known/jwks.json")).json()
-        checkpoint = (await http.get("/v1/log/checkpoint")).json()
-        for tenant, tid in load.received:
-            doc = (await http.get(f"/v1/transcripts/{tid}", headers={"Authorization": f"Bearer {load.keys[tenant]}"},
-                                  params={"include_content": "true"})).json()
-            report = verify_document(doc, jwks)
-            assert report.ok, report.render()
-    assert len([k for k in jwks["keys"] if k["role"] == "checkpoint"]) == 1  # one shared key ring
-
-    url = cluster.database_url
-    leaves = await _rows(url, 'SELECT "index", leaf_hash, entry, kind, transcript_id FROM log_leaves ORDER BY "index"')
-    assert [row[0] for row in leaves] == list(range(len(leaves)))
-    hashes = [bytes(row[1]) for row in leaves]
-    assert checkpoint["tree_size"] == len(leaves)
-    assert independent.mth(hashes) == base64.b64decode(checkpoint["root_hash"])
-    for size, root in await _rows(url, "SELECT tree_size, root_hash FROM log_checkpoints"):
-        assert independent.mth(hashes[:size]) == bytes(root), f"checkpoint {size} is not a prefix of the log"
-
-    rows = await _rows(url, "SELECT id, tenant, sequence, previous_digest, payload_digest, log_index, envelope "
-                            "FROM transcripts ORDER BY tenant, sequence")
-    assert {row[0] for row in rows} >= {tid for _, tid in load.received}
-    assert sorted(row[5] for row in rows) == sorted(r[0] for r in leaves if r[3] == "transcript")
-    for tenant in TENANTS:
-        chain = [row for row in rows if row[1] == tenant]
-        assert [row[2] for row in chain] == list(range(1, len(chain) + 1)), tenant
-        assert [row[3] for row in chain] == [None, *(row[4] for row in chain[:-1])], tenant
-    for row in rows:
-        envelope = json.loads(row[6])
-        payload = independent.verify_dsse(envelope, jwks)
-        assert hashlib.sha256(payload).hexdigest() == row[4]
-        assert independent.envelope_digest(envelope) == bytes(leaves[row[5]][2])
 
 
 # --- shared sessions and rate limits -----------------------------------------------------------------------
@@ -264,7 +143,7 @@ async def test_replicas_started_together_migrate_once(replica_database: str, tmp
     results = await asyncio.gather(*(asyncio.to_thread(run_cli, "migrate", env=env) for _ in range(3)))
     assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
     head = ScriptDirectory.from_config(migrate.alembic_config(replica_database)).get_current_head()
-    assert await _rows(replica_database, "SELECT version_num FROM alembic_version") == [(head,)]
+    assert await rows(replica_database, "SELECT version_num FROM alembic_version") == [(head,)]
 
 
 # --- backup and restore -------------------------------------------------------------------------------------
@@ -348,52 +227,7 @@ async def test_replay_jobs_run_once_across_replicas(pg_settings: Settings) -> No
     """Two apps (each with its replay worker and engine) on one database: every job is replayed and
     attested exactly once, whichever app took it; a job left running by a dead process is taken back
     once its lease has passed."""
-    import datetime as dt
-
-    from sqlalchemy import text
-
-    from tests.auditor.test_replay_fake import ReplayFakeEngine
-
-    engines = [ReplayFakeEngine(), ReplayFakeEngine()]
-    key = await make_key(pg_settings, "acme", "client")
-    async with serving(pg_settings, engines[0], {}) as a, serving(with_port(pg_settings), engines[1], {}) as b:
-        apps = (a, b)
-        headers = {"Authorization": f"Bearer {key}"}
-        async with httpx.AsyncClient(headers=headers, timeout=60) as http:
-            tids = []
-            for n in range(7):
-                body = {"model": MODEL, "prompt": f"replay {n}", "max_tokens": 6, "deterministic": True, "seed": n}
-                tids.append((await http.post(f"{apps[n % 2].url}/v1/completions", json=body)).json()["transcript"]["id"])
-            jobs = [(await http.post(f"{apps[n % 2].url}/v1/transcripts/{tid}/replay")).json()
-                    for n, tid in enumerate(tids[:6])]
-            db = create_engine(pg_settings.resolved_database_url, schema=pg_settings.database_schema)
-            try:
-                async with db.begin() as connection:
-                    await connection.execute(text(
-                        "INSERT INTO replay_jobs (id, tenant, transcript_id, requested_by, status, created_at, "
-                        "claimed_by, lease_expires_at) VALUES (:id, 'acme', :tid, 'k', 'running', :now, "
-                        "'dead-host:1:0', :past)"), {"id": "0190a0a0-0000-7000-8000-00000000dead", "tid": tids[6],
-                                                     "now": dt.datetime.now(dt.UTC),
-                                                     "past": dt.datetime.now(dt.UTC) - dt.timedelta(seconds=1)})
-                ids = [j["id"] for j in jobs] + ["0190a0a0-0000-7000-8000-00000000dead"]
-                done = [await _until_done(http, apps[(n + 1) % 2].url, job_id) for n, job_id in enumerate(ids)]
-                async with db.connect() as connection:
-                    leaves = (await connection.execute(text(
-                        "SELECT replay_job_id FROM log_leaves WHERE kind = 'replay_attestation'"))).all()
-            finally:
-                await db.dispose()
-    assert [d["result"] for d in done] == ["match"] * 7, done
-    assert sorted(row[0] for row in leaves) == sorted(ids)
-    assert sum(sum(e.replay_calls) for e in engines) == 7, [e.replay_calls for e in engines]
-
-
-async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[str, Any]:
-    for _ in range(300):
-        job = (await http.get(f"{url}/v1/replays/{job_id}")).json()
-        if job["status"] in ("done", "failed"):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"replay {job_id} did not finish: {job}")
+    await replay_jobs_run_once(pg_settings)
 
 
 # --- witnessing from several replicas ------------------------------------------------------------------------
@@ -402,31 +236,4 @@ async def _until_done(http: httpx.AsyncClient, url: str, job_id: str) -> dict[st
 async def test_two_replicas_share_one_witness(pg_settings: Settings, tmp_path: Path) -> None:
     """Both apps submit to the same witness (one at a time, by an advisory lock per witness): every
     submission is cosigned or answered with the witness's newer size, never refused as inconsistent."""
-    import re
-
-    from auditor.crypto import KeyRing
-    from tests.auditor.test_witness_live import ORIGIN, start_witness
-
-    (tmp_path / "jwks.json").write_text(json.dumps(KeyRing.open(pg_settings.keys_dir).jwks()))
-    witness, url, vkey = start_witness(tmp_path, tmp_path / "jwks.json")
-    settings = replace(pg_settings, log_origin=ORIGIN, witnesses=((url, vkey),), witness_interval=0.05)
-    key = await make_key(settings, "acme", "client")
-    try:
-        async with serving(settings, FakeAsyncEngine(), {}) as a, \
-                serving(with_port(settings), FakeAsyncEngine(), {}) as b:
-            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {key}"}, timeout=60) as http:
-                for n in range(12):
-                    body = {"model": MODEL, "prompt": f"witnessed {n}", "max_tokens": 4}
-                    assert (await http.post(f"{(a, b)[n % 2].url}/v1/completions", json=body)).status_code == 200
-                    await asyncio.sleep(0.03)
-                notes = [(await http.get(f"{app.url}/v1/log/checkpoint", params={"witnessed": "true"})).json()
-                         for app in (a, b)]
-                metrics = [(await http.get(f"{app.url}/metrics")).text for app in (a, b)]
-    finally:
-        witness.stop()
-    assert [n["tree_size"] for n in notes] == [12, 12]
-    assert all(independent.cosignatures(n["note"], vkey) for n in notes)
-    cosigned = [re.search(r'outcome="cosigned"[^}]*\} (\d+)', m) for m in metrics]
-    assert all(cosigned) and sum(int(c.group(1)) for c in cosigned) >= 2, metrics
-    assert not any('outcome="refused"' in m for m in metrics)
-    assert not (tmp_path / "witness" / "evidence.jsonl").exists()
+    await share_one_witness(pg_settings, tmp_path)
