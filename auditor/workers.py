@@ -110,13 +110,19 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
     try:
         while stopping["signal"] is None and all(p.is_alive() for p in procs):
             if host is not None and not host.alive():
-                log.error("the engine process exited (code %s)", host.exitcode, extra={"event": "engine_exit"})
+                # a load failure reaches every worker, which then stops with ENGINE_LOAD_FAILED: let them
+                deadline = time.monotonic() + 15
+                while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+                    time.sleep(0.2)
+                if not any(p.exitcode == ENGINE_LOAD_FAILED for p in procs):
+                    log.error("the engine process exited (code %s)", host.exitcode, extra={"event": "engine_exit"})
                 break
             time.sleep(0.2)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     exited = [p for p in procs if not p.is_alive()]
+    engine_gone = host is not None and not host.alive()
     for proc in procs:
         if proc.is_alive():
             proc.terminate()  # uvicorn's graceful shutdown: in-flight completions finish and are recorded
@@ -128,7 +134,7 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
             proc.join(5)
     if host is not None:
         host.stop(timeout_s=30)
-    if stopping["signal"] is not None and not exited:
+    if stopping["signal"] is not None and not exited and not engine_gone:
         return 0
     if any(p.exitcode == ENGINE_LOAD_FAILED for p in exited):
         print(f"error: model {settings.model!r} could not be loaded, so the server stopped (the workers' log "

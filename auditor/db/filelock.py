@@ -4,12 +4,13 @@ SQLite keeps its ``-wal`` and ``-shm`` files there), so every process that opens
 them. ``flock`` is released when the holder's file is closed or its process dies. PostgreSQL
 deployments use advisory locks instead (``auditor.repository``).
 
-Used for the migrations (``migrations/env.py``) and for one witness round at a time per witness
-(``auditor.witnessing``).
+Used for the migrations (``migrations/env.py``), for one witness round at a time per witness
+(``auditor.witnessing``) and for the log's appends (``auditor.ledger``: ``AsyncHeld``).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import hashlib
@@ -80,3 +81,33 @@ def try_held(url: str | URL, name: str) -> Iterator[bool]:
         yield True
     finally:
         os.close(fd)
+
+
+class AsyncHeld:
+    """The lock ``name`` of the database of ``url`` taken by a coroutine (``async with``) without blocking the
+    event loop: the ``flock`` waits in a thread and wakes the moment the holder lets go, where SQLite's own
+    busy handler would poll with sleeps of up to 100 ms. The file stays open for the process's lifetime. A
+    waiter that is cancelled lets the lock go as soon as its thread gets it. Nothing to hold for a database
+    that is not a SQLite file."""
+
+    def __init__(self, url: str | URL, name: str) -> None:
+        self._path = _lock_file(url, name)
+        self._fd: int | None = None
+
+    async def __aenter__(self) -> None:
+        if self._path is None:
+            return
+        if self._fd is None:
+            self._fd = os.open(self._path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = self._fd
+        waiting = asyncio.get_running_loop().run_in_executor(None, fcntl.flock, fd, fcntl.LOCK_EX)
+        try:
+            await asyncio.shield(waiting)
+        except asyncio.CancelledError:
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception() is not None
+                                      or fcntl.flock(fd, fcntl.LOCK_UN))
+            raise
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
