@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,6 +102,10 @@ def attach_engine(services: Services, engine: ServingEngine) -> None:
     services.completions = CompletionService(engine, services.ledger, services.metrics, model_name=name,
                                              max_prompt_tokens=settings.max_prompt_tokens,
                                              max_tokens_limit=settings.max_tokens_limit, max_n=settings.max_n)
+    if settings.workers > 1:  # /readyz on any worker waits for every worker (auditor/workers.py)
+        ready = settings.run_dir / "ready"
+        ready.mkdir(parents=True, exist_ok=True)
+        (ready / str(os.getpid())).touch()
     services.engine_loaded.set()
 
 

@@ -72,6 +72,7 @@ def _reset_run_dir(settings: Settings) -> None:
     shutil.rmtree(run, ignore_errors=True)
     (run / "metrics").mkdir(parents=True, mode=0o700)
     (run / "sessions").mkdir(mode=0o700)
+    (run / "ready").mkdir(mode=0o700)
     FileRateLimiter.reset(run / "ratelimit")
 
 

@@ -19,12 +19,17 @@ async def healthz() -> dict[str, str]:
 
 @get("/readyz")
 async def readyz(services: Services) -> Response[dict[str, Any]]:
-    """200 when the engine is up, the database answers and the log passed its self-check; else 503
+    """200 when the engine is up (with several worker processes: in every worker), the database answers and
+    the log passed its self-check; else 503
     with ``checks`` and the reasons (``engine_error``; ``log``: the self-check state and, after a
     mismatch, the failed check, the first bad index and what differs)."""
     stats = services.ledger.stats
     checks = {"engine": services.completions is not None, "database": await _database_ok(services),
               "log": stats.integrity is Integrity.OK}
+    workers = services.settings.workers
+    if workers > 1:  # the port is every worker's: ready when each of them has its engine
+        ready = services.settings.run_dir / "ready"
+        checks["workers"] = ready.is_dir() and sum(1 for _ in ready.iterdir()) >= workers
     body: dict[str, Any] = {"status": "ready" if all(checks.values()) else "not_ready", "checks": checks,
                             "log": {"integrity": stats.integrity.value, "tree_size": stats.tree_size}}
     if stats.fault is not None:

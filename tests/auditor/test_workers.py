@@ -204,3 +204,22 @@ def test_workers_stop_with_the_engine_error_when_the_model_cannot_load(tmp_path:
     assert server.proc is not None
     assert server.proc.wait(timeout=150) == 1, server.output()[-3000:]
     assert "could not be loaded" in server.output()
+
+
+async def test_readyz_waits_for_every_worker(tmp_path: Path) -> None:
+    """With ``workers`` = 2, a worker whose engine is up still answers 503 until the other one's is too: a
+    client that saw 200 may be handed to either."""
+    from dataclasses import replace
+
+    from tests.auditor.conftest import serving, sqlite_settings
+    from tests.auditor.fake_engine import FakeAsyncEngine
+
+    settings = replace(await asyncio.to_thread(sqlite_settings, tmp_path), workers=2)
+    (settings.run_dir / "ready").mkdir(parents=True)
+    async with serving(settings, FakeAsyncEngine()) as server:
+        async with httpx.AsyncClient(base_url=server.url) as http:
+            first = await http.get("/readyz")
+            assert first.status_code == 503 and first.json()["checks"] == {
+                "engine": True, "database": True, "log": True, "workers": False}
+            (settings.run_dir / "ready" / "12345").touch()   # the other worker's engine is up
+            assert (await http.get("/readyz")).status_code == 200
