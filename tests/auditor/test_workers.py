@@ -130,6 +130,12 @@ def test_workers_on_one_sqlite_file_keep_one_log(tmp_path: Path) -> None:
         completed = [line for line in metrics.splitlines()
                      if line.startswith("verbatim_completions_total{") and 'status="completed"' in line]
         assert sum(float(line.rsplit(" ", 1)[1]) for line in completed) == n, completed
+        # a console login made through one worker holds on every worker (sessions in the run directory)
+        login = httpx.post(url + "/ui/login", data={"api_key": key}, timeout=30)
+        assert login.status_code == 303 and login.headers["location"] == "/ui/transcripts"
+        for _ in range(12):  # a fresh connection each: the kernel spreads them over the workers
+            page = httpx.get(url + "/ui/transcripts", cookies=login.cookies, timeout=30, follow_redirects=False)
+            assert page.status_code == 200, (page.status_code, page.headers.get("location"))
     finally:
         server.stop()
     assert server.proc is not None and server.proc.returncode == 0, server.output()[-3000:]
