@@ -50,6 +50,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
+import signal
 import threading
 import time
 import uuid
@@ -630,6 +631,9 @@ class _PipeLogHandler(logging.Handler):
 
 
 def _engine_main(config: EngineConfig, conns: list[Connection], control: Connection, loader: Loader | None) -> None:
+    # Ctrl-C reaches the whole process group: the serving processes shut down gracefully, finishing the
+    # requests in flight, and then stop this one (stop, or their connections closing); it must not die first.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     clients = _Clients(conns, control)
     handler = _PipeLogHandler(clients)
     for name in ("engine", "auditor"):

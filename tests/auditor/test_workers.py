@@ -196,9 +196,25 @@ def test_workers_share_one_real_engine_and_its_bits(tmp_path: Path) -> None:
         bits = {json.dumps([tokens, [float.hex(x) for x in lps]]) for (tokens, lps), _ in results}
         assert len(bits) == 1, bits
         assert len({fp for _, fps in results for fp in fps}) == 1
+
+        async def interrupted() -> httpx.Response:
+            """Ctrl-C reaches the whole process group while a completion runs: it still completes."""
+            async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"},
+                                         timeout=120) as http:
+                model = (await http.get("/v1/models")).json()["data"][0]["id"]
+                request = asyncio.ensure_future(http.post("/v1/completions", json={
+                    **body, "model": model, "max_tokens": 20, "ignore_eos": True}))
+                await asyncio.sleep(0.5)
+                assert not request.done()
+                os.killpg(server.proc.pid, signal.SIGINT)
+                return await request
+
+        response = asyncio.run(interrupted())
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 20
+        assert server.proc.wait(timeout=60) == 0, server.output()[-3000:]
     finally:
         server.stop()
-    assert server.proc is not None and server.proc.returncode == 0, server.output()[-3000:]
 
 
 @pytest.mark.timeout(180)
