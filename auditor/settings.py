@@ -153,8 +153,11 @@ class Settings:
     @property
     def run_dir(self) -> Path:
         """State the worker processes of one ``serve`` share while it runs (rate limits, console sessions,
-        metrics); emptied when ``serve`` starts them."""
-        return self.data_dir / "run"
+        metrics); emptied when ``serve`` starts them. One folder per host and port, so replicas sharing the data
+        directory (on one host or over a shared filesystem) keep theirs apart."""
+        import socket
+
+        return self.data_dir / "run" / f"{socket.gethostname()}-{self.port}"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str], **overrides: Any) -> "Settings":

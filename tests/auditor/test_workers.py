@@ -124,7 +124,8 @@ def test_workers_on_one_sqlite_file_keep_one_log(tmp_path: Path) -> None:
         headers = {"Authorization": f"Bearer {key}"}
         checkpoint = httpx.get(url + "/v1/log/checkpoint", headers=headers, timeout=30).json()
         assert checkpoint["tree_size"] == n
-        metric_files = list((tmp_path / "data" / "run" / "metrics").glob("*.db"))
+        run_dir = Settings(data_dir=tmp_path / "data", port=port).run_dir
+        metric_files = list((run_dir / "metrics").glob("*.db"))
         assert len({f.stem.rsplit("_", 1)[-1] for f in metric_files}) >= 2, metric_files  # several workers served
         metrics = httpx.get(url + "/metrics", headers=headers, timeout=30).text
         completed = [line for line in metrics.splitlines()
