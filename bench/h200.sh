@@ -4,7 +4,8 @@
 #   bash bench/h200.sh STAGE [STAGE ...]      from the source root on the GPU machine; results go to $OUT
 #
 # Stages:
-#   setup       gather the carried wheels (.gpu/whl-a, -b, -c, .whl) in ~/gmw and install them into /tmp/site
+#   setup       gather the carried wheels (.gpu/whl-a, -b, -c made by bench/gpu-wheels.sh, which lists the three
+#               calls; .whl) in ~/gmw and install them into /tmp/site
 #               with the last part (the machine has torch, triton and transformers, not the service's
 #               dependencies), and put the SmolLM2 GGUF at $VERBATIM_GPU_GGUF (joined from .gpu/model-a's
 #               part-aa, kept in ~/gm, and .gpu/model-b's part-ab); run once per call that carries a part
@@ -40,6 +41,8 @@
 #   schema      25 % of the requests under a JSON schema against the same mix without: SmolLM2, then the
 #               synthetic 8B (bench/schema_mix_bench.py)     -> schema-mix-smollm2.json, schema-mix-8b.json
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
+#   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs
+#                                                   -> serve-profile.txt, serve-top.txt (+ the bench's JSON)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -181,6 +184,24 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
   timeout "${STREAM_SMOL_TIMEOUT:-200}" python3 bench/stream_bench.py --device cuda --model "$GGUF" \
     --max-tokens 256 --cadences "$cadences" --concurrency 1,8 --repeats 3 --out "$OUT" --name stream-bench-smollm2 \
     ${STREAM_ARGS:-} 2>&1 | grep -v Warn | tail -14
+}
+
+stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (200 s)
+  # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
+  # per stack and process with its sample count), the processes' CPU: $OUT/serve-top.txt
+  ( timeout "${SERVEPROF_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
+      ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
+      > "$OUT/serve-bench-profiled.log" 2>&1 ) &
+  local bench=$! i pid
+  for i in $(seq 1600); do grep -q "streams through the API" "$OUT/serve-bench-profiled.log" 2>/dev/null && break; sleep 0.1; done
+  pid=$(pgrep -f "auditor serve --data-dir" | head -1)
+  if [ -n "$pid" ]; then
+    /tmp/site/bin/py-spy record --subprocesses --nonblocking --format raw -r 100 -d 10 --pid "$pid" \
+      -o "$OUT/serve-profile.txt" > "$OUT/py-spy.log" 2>&1 &
+    top -b -d 2 -n 5 | grep -E "python|PID" > "$OUT/serve-top.txt"
+  fi
+  wait
+  grep -v Warn "$OUT/serve-bench-profiled.log" | tail -20
 }
 
 stage_schema() {  # at most 200 + 380 s
