@@ -198,21 +198,28 @@ def test_workers_share_one_real_engine_and_its_bits(tmp_path: Path) -> None:
         assert len(bits) == 1, bits
         assert len({fp for _, fps in results for fp in fps}) == 1
 
-        async def interrupted() -> httpx.Response:
-            """Ctrl-C reaches the whole process group while a completion runs: it still completes."""
+        async def interrupted() -> list[dict[str, Any]]:
+            """Ctrl-C reaches the whole process group once a streamed completion has sent its first tokens: it
+            still completes and is recorded."""
+            events: list[dict[str, Any]] = []
             async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {key}"},
                                          timeout=120) as http:
                 model = (await http.get("/v1/models")).json()["data"][0]["id"]
-                request = asyncio.ensure_future(http.post("/v1/completions", json={
-                    **body, "model": model, "max_tokens": 20, "ignore_eos": True}))
-                await asyncio.sleep(0.5)
-                assert not request.done()
-                os.killpg(server.proc.pid, signal.SIGINT)
-                return await request
+                async with http.stream("POST", "/v1/completions", json={
+                        **body, "model": model, "max_tokens": 8, "ignore_eos": True, "stream": True}) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        events.append(json.loads(line[6:]))
+                        if len(events) == 1:
+                            os.killpg(server.proc.pid, signal.SIGINT)
+            return events
 
-        response = asyncio.run(interrupted())
-        assert response.status_code == 200, response.text
-        assert response.json()["usage"]["completion_tokens"] == 20
+        events = asyncio.run(interrupted())
+        assert not any("error" in e for e in events), events[-1]
+        assert events[-1]["transcript"]["log_index"] >= 0
+        assert events[-1]["usage"]["completion_tokens"] == 8
         assert server.proc.wait(timeout=60) == 0, server.output()[-3000:]
     finally:
         server.stop()
