@@ -341,6 +341,11 @@ async def test_job_running_at_shutdown_is_rerun_after_restart(tmp_path: Path) ->
         engine.hold = True
         job = (await replay(client, tid, wait=False)).json()
         await until_status(client, job["id"], ("running",))
+        for _ in range(500):  # claimed ("running") comes before the engine call: wait for the call itself
+            if engine.replay_calls:
+                break
+            await asyncio.sleep(0.02)
+        assert engine.replay_calls == [1]
     with sqlite3.connect(tmp_path / "verbatim.db") as db:
         # A clean stop hands the job back at once (a killed process's lease would expire instead).
         row = db.execute("SELECT status, claimed_by FROM replay_jobs WHERE id = ?", (job["id"],)).fetchone()
