@@ -24,7 +24,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import secrets
 import shlex
 import socket
@@ -41,11 +40,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.results import write_result_file  # noqa: E402
+from bench.results import git_commit, machine, write_result_file  # noqa: E402
 
 TENANTS = 8
 """Clients are spread over this many tenants (one API key per client): one chain per tenant."""
 VERIFY_SAMPLE = 32
+SHARED = "a 2-core VM shared with other engineers' jobs; loadavg_at_start shows the background load"
 
 
 @dataclass(frozen=True)
@@ -381,27 +381,6 @@ def _measure(args: argparse.Namespace, target: Target, tmp: str) -> dict[str, An
     }
 
 
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "shared": "a 2-core VM shared with other engineers' jobs; loadavg_at_start shows the background load"}
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_serve"]:
         target = Target(**json.loads(argv[1]))
@@ -428,7 +407,7 @@ def main(argv: list[str]) -> int:
         "benchmark": "ledger_bench", "label": args.label,
         "command": shlex.join(["python", "bench/ledger_bench.py", *argv]),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "git_commit": git_commit(), "machine": machine(),
+        "git_commit": git_commit(), "machine": {**machine(), "shared": SHARED},
         "fake_engine": {"step_delay_s": args.step_delay, "max_tokens": args.max_tokens, "window": 8},
         "runs": [run(args, database) for _ in range(args.repeat) for database in databases],
     }

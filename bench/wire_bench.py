@@ -29,12 +29,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
 import pickle
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import time
 from collections import OrderedDict
@@ -48,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the source root on the path
     sys.path.insert(0, str(ROOT))
 
-from bench.results import write_result_file  # noqa: E402
+from bench.results import git_commit, machine, write_result_file  # noqa: E402
 from engine.engine_process import (  # noqa: E402
     EngineProcess,
     _Publisher,
@@ -255,27 +252,6 @@ def medians(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         out["context {}, {} requests, {}".format(*key)] = {
             k: round(statistics.median(r[k]["median"] for r in mine), 2) for k in phases}
     return out
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform(),
-            "loadavg_at_start": os.getloadavg()}
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                               capture_output=True, text=True, check=True).stdout.strip()
-        return out.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main(argv: list[str]) -> int:
