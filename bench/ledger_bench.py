@@ -310,9 +310,10 @@ def _draft(tenant: str, k: int, max_tokens: int) -> Any:
     """A transcript like the fake engine's completions of the HTTP run."""
     from auditor.ledger import TranscriptDraft
     from auditor.transcript import Api, DvrStats, ModelInfo, Status, new_salt, uuid7
-    from tests.auditor.fake_engine import FakeAsyncEngine, ModelInfo as FakeModel
+    from tests.auditor.fake_engine import FakeAsyncEngine
 
-    fake, info = FakeAsyncEngine(), FakeModel()
+    fake = FakeAsyncEngine()
+    info = fake.model_info
     output = [(7 * k + i) % 26 for i in range(max_tokens)]
     now = dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
     inputs = dict(
