@@ -288,8 +288,7 @@ class Ledger:
         the write lock passes from one to the next at once instead of through SQLite's sleeping busy handler."""
         if self._file_lock is None:
             bind = self._writer_sessions.kw.get("bind")
-            url = bind.url if bind is not None else "postgresql://"
-            self._file_lock = filelock.AsyncHeld(url, "log-append")
+            self._file_lock = filelock.AsyncHeld(None if bind is None else bind.url, "log-append")
         return self._file_lock
 
     async def _current_tree(self, session: AsyncSession, latest: LogCheckpoint | None) -> merkle.MerkleTree:

@@ -88,10 +88,10 @@ class AsyncHeld:
     event loop: the ``flock`` waits in a thread and wakes the moment the holder lets go, where SQLite's own
     busy handler would poll with sleeps of up to 100 ms. The file stays open for the process's lifetime. A
     waiter that is cancelled lets the lock go as soon as its thread gets it. Nothing to hold for a database
-    that is not a SQLite file."""
+    that is not a SQLite file, or for no ``url``."""
 
-    def __init__(self, url: str | URL, name: str) -> None:
-        self._path = _lock_file(url, name)
+    def __init__(self, url: str | URL | None, name: str) -> None:
+        self._path = None if url is None else _lock_file(url, name)
         self._fd: int | None = None
 
     async def __aenter__(self) -> None:

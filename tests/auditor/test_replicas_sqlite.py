@@ -199,3 +199,28 @@ async def test_two_processes_share_one_witness(tmp_path: Path) -> None:
 async def test_replay_jobs_run_once_across_processes(tmp_path: Path) -> None:
     """Two apps, each with its replay worker, on one SQLite file: every job is replayed and attested once."""
     await replay_jobs_run_once(await asyncio.to_thread(sqlite_settings, tmp_path / "data"))
+
+
+async def test_the_append_file_lock_is_let_go_by_a_cancelled_waiter(tmp_path: Path) -> None:
+    """``AsyncHeld`` (the log append's file lock): one holder at a time; a waiter cancelled while its thread waits
+    lets the lock go once the thread gets it, so the next process is not locked out for good."""
+    from auditor.db.filelock import AsyncHeld
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'verbatim.db'}"
+    first, cancelled, last = AsyncHeld(url, "log-append"), AsyncHeld(url, "log-append"), AsyncHeld(url, "log-append")
+    async with first:
+        async def wait() -> None:
+            async with cancelled:
+                raise AssertionError("got the lock while it was held")
+
+        waiter = asyncio.ensure_future(wait())
+        await asyncio.sleep(0.2)
+        assert not waiter.done()
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+    async with asyncio.timeout(10):  # the cancelled waiter's thread took the lock and let it go
+        async with last:
+            pass
+    async with AsyncHeld(None, "log-append"), AsyncHeld("postgresql+asyncpg://db/x", "log-append"):
+        pass  # nothing to hold without a SQLite file
