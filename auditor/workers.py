@@ -94,7 +94,7 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
         host = EngineHost(config, workers)
         connections = list(host.connections)
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker_main, args=(settings, sock, conn, i, stop_on_load_error),
+    procs = [ctx.Process(target=_worker_main, args=(settings, sock, conn, stop_on_load_error),
                          name=f"verbatim-worker-{i}") for i, conn in enumerate(connections)]
     for proc in procs:
         proc.start()
@@ -147,7 +147,7 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
     return 1
 
 
-def _worker_main(settings: Settings, sock: socket.socket, conn: Any, index: int, stop_on_load_error: bool) -> None:
+def _worker_main(settings: Settings, sock: socket.socket, conn: Any, stop_on_load_error: bool) -> None:
     """One worker: the app on the shared socket, its engine the shared one (through ``conn``) or, with an
     engine factory, its own."""
     import uvicorn

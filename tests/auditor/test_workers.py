@@ -173,8 +173,6 @@ def test_workers_share_one_real_engine_and_its_bits(tmp_path: Path) -> None:
     server = Process(("serve",), tmp_path / "serve.log", env).start()
     try:
         server.wait_http(url + "/readyz", timeout=240)
-        import psutil
-
         children = _children(server)
         assert len(children) == 3, children  # the engine process and two workers
         key = _admin_key(server.output())
