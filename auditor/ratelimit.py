@@ -30,6 +30,15 @@ class _Bucket:
     updated: float
 
 
+def _take(tokens: float, elapsed: float, rate: float, burst: int) -> tuple[float, float | None]:
+    """One request against a bucket holding ``tokens`` ``elapsed`` seconds ago: the tokens left, and ``None`` if
+    allowed, else the seconds until a token is available."""
+    tokens = min(float(burst), tokens + max(0.0, elapsed) * rate)
+    if tokens >= 1.0:
+        return tokens - 1.0, None
+    return tokens, (1.0 - tokens) / rate
+
+
 def _check(rate: float, burst: int) -> None:
     if rate <= 0 or burst < 1:
         raise ValueError(f"rate must be > 0 and burst >= 1, got {rate}/s burst {burst}")
@@ -51,12 +60,9 @@ class RateLimiter:
             bucket = self._buckets.get(key)
             if bucket is None:
                 bucket = self._buckets[key] = _Bucket(float(self.burst), now)
-            bucket.tokens = min(float(self.burst), bucket.tokens + (now - bucket.updated) * self.rate)
+            bucket.tokens, wait = _take(bucket.tokens, now - bucket.updated, self.rate, self.burst)
             bucket.updated = now
-            if bucket.tokens >= 1.0:
-                bucket.tokens -= 1.0
-                return None
-            return (1.0 - bucket.tokens) / self.rate
+            return wait
 
     async def take(self, key: str) -> float | None:
         return self.acquire(key)
@@ -98,36 +104,30 @@ class FileRateLimiter:
     def acquire(self, key: str) -> float | None:
         digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
         start = int.from_bytes(digest, "little") % self.SLOTS
-        size, empty = self._SLOT.size, bytes(8)
         now = self._clock()
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
-            slot, oldest = None, None
-            for probe in range(self.PROBES):
-                at = ((start + probe) % self.SLOTS) * size
-                held, tokens, updated = self._SLOT.unpack_from(self._map, at)
-                if held == digest:
-                    slot = (at, tokens, updated)
-                    break
-                if held == empty:
-                    slot = (at, float(self.burst), now)
-                    break
-                if oldest is None or updated < oldest[2]:
-                    oldest = (at, float(self.burst), updated)
-            if slot is None:
-                assert oldest is not None
-                slot = (oldest[0], float(self.burst), now)
-            at, tokens, updated = slot
-            tokens = min(float(self.burst), tokens + max(0.0, now - updated) * self.rate)
-            wait = None
-            if tokens >= 1.0:
-                tokens -= 1.0
-            else:
-                wait = (1.0 - tokens) / self.rate
+            at, tokens, updated = self._slot(digest, start, float(self.burst), now)
+            tokens, wait = _take(tokens, now - updated, self.rate, self.burst)
             self._SLOT.pack_into(self._map, at, digest, tokens, now)
             return wait
         finally:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def _slot(self, digest: bytes, start: int, full: float, now: float) -> tuple[int, float, float]:
+        """``(offset, tokens, updated)`` of the key's slot: its own, else the first free one or, when every slot
+        it may probe is taken, the one idle longest (both as a full bucket)."""
+        size, oldest_at, oldest_updated = self._SLOT.size, 0, float("inf")
+        for probe in range(self.PROBES):
+            at = ((start + probe) % self.SLOTS) * size
+            held, tokens, updated = self._SLOT.unpack_from(self._map, at)
+            if held == digest:
+                return at, tokens, updated
+            if held == bytes(8):
+                return at, full, now
+            if updated < oldest_updated:
+                oldest_at, oldest_updated = at, updated
+        return oldest_at, full, now
 
     async def take(self, key: str) -> float | None:
         return self.acquire(key)
