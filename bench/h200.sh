@@ -42,7 +42,7 @@
 #               synthetic 8B (bench/schema_mix_bench.py)     -> schema-mix-smollm2.json, schema-mix-8b.json
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
 #   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs
-#                                                   -> serve-profile.txt, serve-top.txt (+ the bench's JSON)
+#                                  -> serve-profile.txt, serve-top.txt, serve-threads.txt (+ the bench's JSON)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -188,7 +188,8 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
 
 stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (200 s)
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
-  # per stack and process with its sample count), the processes' CPU: $OUT/serve-top.txt
+  # per stack and process with its sample count), the processes' CPU: $OUT/serve-top.txt, their busy threads':
+  # $OUT/serve-threads.txt
   ( timeout "${SERVEPROF_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
       ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
       > "$OUT/serve-bench-profiled.log" 2>&1 ) &
@@ -196,8 +197,9 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   for i in $(seq 1600); do grep -q "streams through the API" "$OUT/serve-bench-profiled.log" 2>/dev/null && break; sleep 0.1; done
   pid=$(pgrep -f "auditor serve --data-dir" | head -1)
   if [ -n "$pid" ]; then
-    /tmp/site/bin/py-spy record --subprocesses --nonblocking --format raw -r 100 -d 10 --pid "$pid" \
+    /tmp/site/bin/py-spy record --subprocesses --nonblocking --format raw -r 100 -d 12 --pid "$pid" \
       -o "$OUT/serve-profile.txt" > "$OUT/py-spy.log" 2>&1 &
+    top -H -b -d 2 -n 5 -w 200 | grep -v " 0.0 " | head -500 > "$OUT/serve-threads.txt" &
     top -b -d 2 -n 5 | grep -E "python|PID" > "$OUT/serve-top.txt"
   fi
   wait
