@@ -15,7 +15,7 @@ that would not fit (saturation points first, then the rates mode by mode).
 rollbacks), smollm2 (= default), or anything EngineConfig.model takes. --engine-option KEY=JSON passes an
 EngineConfig field to both the service and the engine-alone run (default: none, the service's defaults).
 Time: --deadline-s bounds the run (ramp points that would pass it are skipped and say so); --quick is a
-shorter preset (fewer requests, shorter points, one stream repeat). One run serves one model.
+shorter preset (shorter rate points). One run serves one model.
 
 What a run does, in order:
 1. The engine alone, in a child process (`--role engine`) that exits before the service starts, so each has
@@ -112,9 +112,9 @@ _SERVICE_ENV = ("MODEL", "DEVICE", "ENGINE_OPTIONS", "RATE_LIMIT_PER_SECOND", "R
 
 # Saturation: this many requests at once, several seconds of engine time, so that admitting them and the
 # last requests' tail are a small part of the figure (it is the engine's and the service's steady state).
-FULL = {"saturation_requests": 768, "rate_fractions": [0.3, 0.6, 0.9], "point_s": 4.0, "stream_repeats": 2,
+FULL = {"saturation_requests": 768, "rate_fractions": [0.3, 0.6, 0.9], "point_s": 4.0, "stream_repeats": 3,
         "max_point_requests": 1200}
-QUICK = {"saturation_requests": 1024, "rate_fractions": [0.3, 0.6, 0.9], "point_s": 3.0, "stream_repeats": 1,
+QUICK = {"saturation_requests": 1024, "rate_fractions": [0.3, 0.6, 0.9], "point_s": 3.0, "stream_repeats": 3,
          "max_point_requests": 1200}
 
 
