@@ -27,8 +27,9 @@
 #                                                 -> gpu-pytest-1.txt, gpu-pytest-2.txt, gpu-pytest-3.txt
 #   sampler     the sampler alone and the SmolLM2 engine per sampling preset: bench/sampler_bench.py
 #                                                                   -> sampler-bench.json
-#   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2:
-#               bench/serve_bench.py                 -> serve-bench-8b.json / .png, serve-bench-smollm2.json / .png
+#   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2 (SERVE_MODELS
+#               picks some of "8b smollm2"): bench/serve_bench.py
+#                                                    -> serve-bench-8b.json / .png, serve-bench-smollm2.json / .png
 #   tp          nvidia-h200-x2: tensor parallelism against one GPU on the synthetic 8B (bench/tp_bench.py; one
 #               engine per process: TP_SIZES x nondeterministic / dvr / batch_invariant, all-reduce
 #               TP_REDUCTION, default gather_sum)     -> tp-bench-<reduction>.json / .png (+ the runs' JSON)
@@ -149,11 +150,13 @@ stage_sampler() {  # the copy on the machine may carry no .git, or an older one:
 stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside the engine alone, the synthetic 8B
   # and SmolLM2 (bench/serve_bench.py; at most 330 + 200 s, each run bounded by its --deadline-s). The copy on the
   # machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
-  local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT}
-  timeout "${SERVE_8B_TIMEOUT:-330}" python3 bench/serve_bench.py --model synthetic-8b --deadline-s 300 $commit \
-    --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
-  timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 $commit \
-    --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+  # SERVE_MODELS picks some of "8b smollm2"
+  local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT} models=" ${SERVE_MODELS:-8b smollm2} "
+  [[ $models == *" 8b "* ]] && timeout "${SERVE_8B_TIMEOUT:-330}" python3 bench/serve_bench.py --model synthetic-8b \
+    --deadline-s 300 $commit --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+  [[ $models == *" smollm2 "* ]] && timeout "${SERVE_SMOL_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" \
+    --quick --deadline-s 180 $commit --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+  return 0
 }
 
 stage_tp() {  # 6 engines, each bounded by TP_RUN_TIMEOUT (about 1 min each on the H200 pair, untimed start-up included)
