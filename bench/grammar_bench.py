@@ -304,7 +304,7 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
         out[mode] = entry
     fills: dict[str, Any] = {}
     threads = max(1, min(8, os.cpu_count() or 1))
-    for size in (16, 64, 256):
+    for size in (16, 64, 128, 256):
         matchers = [xgr.GrammarMatcher(compiled, max_rollback_tokens=-1) for _ in range(size)]
         for j, m in enumerate(matchers):  # spread along the instances: a mix of grammar positions
             for t in outputs[j % rows][: (j * 7) % 60]:

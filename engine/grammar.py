@@ -266,13 +266,14 @@ class GrammarState:
     def _follow(self, outputs: Sequence[int], n: int) -> None:
         """Roll the matcher back to the longest common prefix of `ids` and outputs[:n], then feed the rest."""
         start, common = min(self.fixed, n), min(len(self.ids), n)
-        if list(outputs[start:common]) != self.ids[start:common]:
+        if start < common and list(outputs[start:common]) != self.ids[start:common]:
             common = next(i for i in range(start, common) if outputs[i] != self.ids[i])
-        drop = sum(self.accepted[common:])
-        if drop:
-            self.matcher.rollback(drop)
-            self.terminated = bool(self.matcher.is_terminated())
-        del self.ids[common:], self.accepted[common:]
+        if common < len(self.ids):
+            drop = sum(self.accepted[common:])
+            if drop:
+                self.matcher.rollback(drop)
+                self.terminated = bool(self.matcher.is_terminated())
+            del self.ids[common:], self.accepted[common:]
         for t in outputs[common:n]:
             t = int(t)
             i = len(self.ids)
