@@ -323,10 +323,8 @@ def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
         if matchers:
             batcher = info.parallel if len(matchers) >= PARALLEL_MASKS else info.serial
             batcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        if filled:
-            kept = bits[[row for _, _, row in filled]]  # [kept, words]: a copy, one row per state
-            for (state, n, _), mask in zip(filled, kept):
-                state.masks[n] = mask
+        for state, n, row in filled:
+            state.masks[n] = bits[row].copy()  # its own array: a state's kept masks go with it
 
 
 def _rounds(requests: list[MaskRequest]) -> list[list[MaskRequest]]:
