@@ -17,14 +17,22 @@ And the engine's own path (engine.grammar.GrammarState and fill_masks, xgrammar)
 fast-path mask per token and, after every 8, the verify window of those 8 slots in one fill_masks call
 (verify_window_8_us), with the masks the fast path filled kept (`kept`, the engine) and dropped first
 (`refilled`).
-Writes DIR/grammar-bench.json (command, versions, machine, date).
+And the engine's processors per decode step (engine_steps, on --rows rows constrained by
+bench/schema_mix_bench.py's SCHEMA among a batch of 64, each along a JSON instance of it, compact or indented,
+then EOS to --steps outputs, as ignore_eos holds a completed row): apply_processors on CPU logits (the whole
+CPU path: masks filled, then the library's CPU kernel) and fill_masks alone (the host work the CUDA path shares:
+following the outputs, filling the masks, the kept masks), for non-deterministic rows and for DVR rows (masks
+kept, a verify pass of every row's window of 32 after each 32 steps: verify_pass_us); and the library's batch
+fill of B masks with one thread and with the engine's thread count (batch_fill_us).
+Writes DIR/NAME.json (--name, default grammar-bench; command, versions, machine, commit, date).
+
+    python bench/grammar_bench.py --out DIR --parts steps --name grammar-steps   # the per-step part alone
 """
 from __future__ import annotations
 
 import argparse
 import datetime as dt
 import json
-import platform
 import statistics
 import sys
 import time
@@ -39,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: the source root on the path
     sys.path.insert(0, str(ROOT))
 
-from bench.results import write_result  # noqa: E402
+from bench.results import git_commit, machine, write_result  # noqa: E402
 
 PERSON = {
     "type": "object",
@@ -228,31 +236,144 @@ def engine_walk(source: Any, vocab: int, eos: list[int], repeats: int) -> dict[s
     return out
 
 
+def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: int, steps: int,
+                 window: int = 32, batch: int = 64) -> dict[str, Any]:
+    """Host time of the processors per decode step of `rows` constrained rows (see the module docstring)."""
+    import os
+
+    import xgrammar as xgr
+
+    from bench.schema_mix_bench import SCHEMA, spread
+    from engine.grammar import GrammarSpec, GrammarState, compile_request_grammar, fill_masks
+    from engine.processors import Slot, apply_processors
+    from engine.sampling import SamplingParams
+
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    compiled, info = compile_request_grammar(spec, source.tokenizer, vocab, eos)
+    outputs = [(step_instance(source.tokenizer, j) + [eos[0]] * steps)[:steps] for j in range(rows)]
+    at = sorted(spread(batch, rows / batch, offset=1))  # the constrained rows' logits rows
+    params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, grammar=spec)
+    prompt = [1, 2, 3]
+    logits = torch.zeros((batch, vocab))
+    window_logits = torch.zeros((rows * window, vocab))
+    bitmask = torch.zeros((batch, info.words), dtype=torch.int32)
+    window_mask = torch.zeros((rows * window, info.words), dtype=torch.int32)
+
+    def walk(dvr: bool, whole: bool) -> tuple[list[float], list[float]]:
+        """One pass of `steps` decode steps; the seconds of each step and of each verify pass."""
+        states = [GrammarState(compiled, info, keep_masks=dvr) for _ in range(rows)]
+        per_step: list[float] = []
+        per_verify: list[float] = []
+        for n in range(steps):
+            committed = (n // window) * window if dvr else n
+            t0 = time.perf_counter()
+            if whole:
+                apply_processors(logits, at, [Slot(params, prompt, out, n, s, committed)
+                                              for out, s in zip(outputs, states)])
+            else:
+                fill_masks([(s, out, n, committed, r) for out, s, r in zip(outputs, states, at)], bitmask)
+            per_step.append(time.perf_counter() - t0)
+            if dvr and (n + 1) % window == 0:  # the verify pass of every row's window ending here
+                start = n + 1 - window
+                t0 = time.perf_counter()
+                if whole:
+                    apply_processors(window_logits, list(range(rows * window)),
+                                     [Slot(params, prompt, out, start + i, s, start)
+                                      for out, s in zip(outputs, states) for i in range(window)])
+                else:
+                    fill_masks([(s, out, start + i, start, j * window + i)
+                                for j, (out, s) in enumerate(zip(outputs, states)) for i in range(window)],
+                               window_mask)
+                per_verify.append(time.perf_counter() - t0)
+        return per_step, per_verify
+
+    out: dict[str, Any] = {"rows": rows, "batch": batch, "steps": steps, "window": window,
+                           "instance_tokens": [min(len(step_instance(source.tokenizer, j)) + 1, steps)
+                                               for j in range(rows)]}
+    for mode, dvr in (("nondeterministic", False), ("dvr", True)):
+        entry: dict[str, Any] = {}
+        for part, whole in (("apply_processors_cpu_us", True), ("fill_masks_us", False)):
+            walk(dvr, whole)  # warm
+            step_s: list[float] = []
+            verify_s: list[float] = []
+            for _ in range(repeats):
+                a, b = walk(dvr, whole)
+                step_s += a
+                verify_s += b
+            entry[part] = {"step": summary_us(step_s), **({"verify_pass": summary_us(verify_s)} if dvr else {})}
+        out[mode] = entry
+    fills: dict[str, Any] = {}
+    threads = max(1, min(8, os.cpu_count() or 1))
+    for size in (16, 64, 128, 256):
+        matchers = [xgr.GrammarMatcher(compiled, max_rollback_tokens=-1) for _ in range(size)]
+        for j, m in enumerate(matchers):  # spread along the instances: a mix of grammar positions
+            for t in outputs[j % rows][: (j * 7) % 60]:
+                m.accept_token(t)
+        masks = torch.zeros((size, info.words), dtype=torch.int32)
+        entry = {}
+        for t in sorted({1, threads}):
+            batcher = xgr.BatchGrammarMatcher(max_threads=t)
+            batcher.batch_fill_next_token_bitmask(matchers, masks)
+            samples = [timed(lambda: batcher.batch_fill_next_token_bitmask(matchers, masks))[0]
+                       for _ in range(20 * repeats)]
+            entry[f"threads_{t}"] = summary_us(samples)
+        fills[str(size)] = entry
+    out["batch_fill_us"] = fills
+    return out
+
+
+def step_instance(tokenizer: Any, j: int) -> list[int]:
+    """Row j's output under schema_mix_bench.SCHEMA: a valid instance, indented for odd j, tokenized."""
+    kinds = ["person", "place", "thing", "event"]
+    record = {"name": f"Record {j}", "kind": kinds[j % 4], "year": 1800 + 13 * j,
+              "tags": [f"tag {i}" for i in range(1 + j % 3)],
+              "facts": [{"label": f"fact {i}", "value": f"value {i} of {j}", "confidence": round(0.1 * (i + j % 7), 2)}
+                        for i in range(1 + j % 3)]}
+    return list(tokenizer.encode(json.dumps(record, indent=2 if j % 2 else None), add_special_tokens=False))
+
+
+PARTS = ("libraries", "window", "steps")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--name", default="grammar-bench", help="file stem of the JSON")
+    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="xgrammar compile threads (llguidance compiles lazily)")
+    ap.add_argument("--rows", type=int, default=16, help="steps: constrained rows")
+    ap.add_argument("--steps", type=int, default=96, help="steps: decode steps (outputs per row)")
     a = ap.parse_args(argv)
+    parts = [p for p in a.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        ap.error(f"--parts: unknown {sorted(set(parts) - set(PARTS))}; known {list(PARTS)}")
     torch.set_num_threads(1)
     from engine.loader import load_model_source
 
     source = load_model_source("default")
     tokenizer, vocab = source.tokenizer, int(source.hf_config.vocab_size)
     eos = sorted(source.info.eos_token_ids)
+    libraries = ("xgrammar", "llguidance") if "libraries" in parts else ("xgrammar",)
     results: dict[str, Any] = {
         "command": " ".join(["python", *sys.argv]), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
+        "machine": machine(), "commit": git_commit(),
         "model": source.info.name, "vocab_size": vocab, "compile_threads": a.threads,
-        "versions": {p: metadata.version(p) for p in ("xgrammar", "llguidance")}, "libraries": {},
+        "versions": {p: metadata.version(p) for p in libraries},
     }
-    for cls in (XGrammar, LLGuidance):
-        lib = cls(tokenizer, vocab, eos, a.threads)
-        results["libraries"][cls.name] = measure(lib, tokenizer, eos[0], a.repeats)
-        print(cls.name, json.dumps(results["libraries"][cls.name], indent=1), flush=True)
-    results["engine_grammar_state"] = engine_walk(source, vocab, eos, a.repeats)
-    print("engine", json.dumps(results["engine_grammar_state"], indent=1), flush=True)
-    write_result(results, a.out, "grammar-bench")
+    if "libraries" in parts:
+        results["libraries"] = {}
+        for cls in (XGrammar, LLGuidance):
+            lib = cls(tokenizer, vocab, eos, a.threads)
+            results["libraries"][cls.name] = measure(lib, tokenizer, eos[0], a.repeats)
+            print(cls.name, json.dumps(results["libraries"][cls.name], indent=1), flush=True)
+    if "window" in parts:
+        results["engine_grammar_state"] = engine_walk(source, vocab, eos, a.repeats)
+        print("engine", json.dumps(results["engine_grammar_state"], indent=1), flush=True)
+    if "steps" in parts:
+        results["engine_steps"] = engine_steps(source, vocab, eos, a.repeats, a.rows, a.steps)
+        print("steps", json.dumps(results["engine_steps"], indent=1), flush=True)
+    write_result(results, a.out, a.name)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,9 @@ def _check_tagged(parsed: Any) -> dict[str, Any]:
 
 GRAMMAR_LIBRARY = f"xgrammar-{metadata.version('xgrammar')}"
 
+PARALLEL_MASKS = 128
+"""The fewest masks one batch fill spreads over threads (TokenizerInfo.parallel); smaller batches take one."""
+
 
 class TokenizerInfo:
     """A vocabulary for the grammar library: the tokenizer's tokens padded to the model's `vocab_size`, the
@@ -117,11 +120,16 @@ class TokenizerInfo:
                                                        stop_token_ids=list(self.stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=True)
         self.words = (vocab_size + 31) // 32   # int32 words of one bitmask row
-        self.batch = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, os.cpu_count() or 1)))  # masks in parallel
+        # The library's batch fill starts its threads anew on every call with more than one thread, which costs
+        # more than a few masks take to fill: a batch of fewer than PARALLEL_MASKS masks is filled on one.
+        self.serial = xgr.BatchGrammarMatcher(max_threads=1)
+        self.parallel = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, os.cpu_count() or 1)))
+        self.stop_set = frozenset(self.stop_token_ids)
         stop = np.zeros(self.words, dtype=np.int64)
         for t in self.stop_token_ids:
             stop[t // 32] |= 1 << (t % 32)
-        self.stop_mask = torch.from_numpy(stop.astype(np.uint32).view(np.int32))  # only the stop tokens
+        self.stop_mask = stop.astype(np.uint32).view(np.int32)  # [words]: only the stop tokens
+        self.staging: dict[torch.device, Any] = {}  # by CUDA device: engine.processors.MaskStaging
 
 
 _INFOS: dict[tuple[int, int, tuple[int, ...]], tuple[Any, TokenizerInfo]] = {}
@@ -216,13 +224,14 @@ class GrammarState:
         self.ids: list[int] = []         # the outputs the matcher was fed, in order
         self.accepted: list[bool] = []   # whether it accepted each (a skipped one is not rolled back)
         self.fixed = 0                   # ids[:fixed] are committed outputs: they never change
-        # Masks already filled, by prefix length n: masks[n] is the mask after trail[:n]. `trail` is the
-        # longest sequence fed since it last diverged (ids is always a prefix of it), so a rollback of the
-        # matcher keeps the masks past it: a verify window asks again for the prefixes the fast path filled.
-        # keep_masks: a row whose prefixes are asked for once (not verified) keeps none.
+        self.terminated = False          # the matcher has accepted a stop token (it accepts nothing more)
+        # Masks already filled, by prefix length n: masks[n] is the mask after trail[:n] (int32 [words]).
+        # `trail` is the longest sequence fed since it last diverged (ids is always a prefix of it), so a
+        # rollback of the matcher keeps the masks past it: a verify window asks again for the prefixes the
+        # fast path filled. keep_masks: a row whose prefixes are asked for once (not verified) keeps none.
         self.keep_masks = keep_masks
         self.trail: list[int] = []
-        self.masks: dict[int, torch.Tensor] = {}
+        self.masks: dict[int, np.ndarray] = {}
 
     def fill(self, outputs: Sequence[int], n: int, bitmask: torch.Tensor, row: int, committed: int = 0) -> None:
         """bitmask[row] (int32 words, bit v of word v // 32 = token v allowed) for the output slot after
@@ -232,31 +241,54 @@ class GrammarState:
     def follow(self, outputs: Sequence[int], n: int, committed: int = 0) -> bool:
         """Move the state to outputs[:n]; True when it has accepted the stop token (only stop tokens follow)."""
         self._follow(outputs, n)
-        fixed = max(self.fixed, min(committed, n))
-        if fixed > self.fixed:  # no slot before the committed prefix is sampled again
+        self._fix(min(committed, n))
+        return self.terminated
+
+    def kept(self, outputs: Sequence[int], n: int, committed: int = 0) -> np.ndarray | None:
+        """The mask kept for the slot after outputs[:n] when outputs[:n] runs along the trail, else None; the
+        matcher stays where it is (a verify window reads the fast path's masks without walking it back)."""
+        mask = self.masks.get(n)
+        if mask is None:
+            return None
+        start = min(self.fixed, n)
+        if list(outputs[start:n]) != self.trail[start:n]:
+            return None
+        self._fix(min(committed, n))  # outputs[:n] is the trail's, and ids a prefix of the trail
+        return mask
+
+    def _fix(self, fixed: int) -> None:
+        """ids[:fixed] are committed: no slot before them is sampled again, so their masks go."""
+        if fixed > self.fixed:
             self.fixed = fixed
             for k in [k for k in self.masks if k < fixed]:
                 del self.masks[k]
-        return bool(self.matcher.is_terminated())
 
     def _follow(self, outputs: Sequence[int], n: int) -> None:
         """Roll the matcher back to the longest common prefix of `ids` and outputs[:n], then feed the rest."""
         start, common = min(self.fixed, n), min(len(self.ids), n)
-        if list(outputs[start:common]) != self.ids[start:common]:
+        if start < common and list(outputs[start:common]) != self.ids[start:common]:
             common = next(i for i in range(start, common) if outputs[i] != self.ids[i])
-        drop = sum(self.accepted[common:])
-        if drop:
-            self.matcher.rollback(drop)
-        del self.ids[common:], self.accepted[common:]
+        if common < len(self.ids):
+            drop = sum(self.accepted[common:])
+            if drop:
+                self.matcher.rollback(drop)
+                self.terminated = bool(self.matcher.is_terminated())
+            del self.ids[common:], self.accepted[common:]
         for t in outputs[common:n]:
             t = int(t)
             i = len(self.ids)
-            if i >= len(self.trail) or self.trail[i] != t:  # the trail diverges at i: masks past i are stale
+            if i == len(self.trail):
+                self.trail.append(t)
+            elif self.trail[i] != t:  # the trail diverges at i: masks past i are stale
                 del self.trail[i:]
                 for k in [k for k in self.masks if k > i]:
                     del self.masks[k]
                 self.trail.append(t)
-            self.accepted.append(bool(self.matcher.accept_token(t)))
+            # a terminated matcher rejects every token (the library logs a warning for each): skip it here
+            ok = not self.terminated and bool(self.matcher.accept_token(t))
+            if ok and t in self.info.stop_set:  # only a stop token terminates the matcher
+                self.terminated = bool(self.matcher.is_terminated())
+            self.accepted.append(ok)
             self.ids.append(t)
 
 
@@ -267,31 +299,42 @@ MaskRequest = tuple[GrammarState, Sequence[int], int, int, int]
 def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
     """Fill the requested bitmask rows (int32 [rows, words], CPU). One state may be asked for several prefixes
     (the positions of a verify window): the requests go in rounds, each state once per round and its prefixes in
-    ascending order, and each round's masks are filled by the library in parallel threads, except those a state
-    already filled along the same prefix (GrammarState.masks), which are copied."""
+    ascending order, and each round's masks are filled by the library (in parallel threads for a batch of at
+    least PARALLEL_MASKS), except those a state already filled along the same prefix (GrammarState.masks), which
+    are copied without moving its matcher."""
     if not requests:
         return
     info = requests[0][0].info
+    bits = bitmask.numpy()  # a view: rows written in place
+    for batch in _rounds(requests):
+        matchers, rows, filled = [], [], []
+        for state, outputs, n, committed, row in batch:
+            if (known := state.kept(outputs, n, committed)) is not None:
+                bits[row] = known
+            elif state.follow(outputs, n, committed):
+                bits[row] = info.stop_mask
+                if state.keep_masks:
+                    state.masks[n] = info.stop_mask
+            else:
+                matchers.append(state.matcher)
+                rows.append(row)
+                if state.keep_masks:
+                    filled.append((state, n, row))
+        if matchers:
+            batcher = info.parallel if len(matchers) >= PARALLEL_MASKS else info.serial
+            batcher.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        for state, n, row in filled:
+            state.masks[n] = bits[row].copy()  # its own array: a state's kept masks go with it
+
+
+def _rounds(requests: list[MaskRequest]) -> list[list[MaskRequest]]:
+    """The requests in rounds: each state at most once per round, its prefixes in ascending order (round k holds
+    every state's k-th shortest prefix). A decode step asks each state once: one round, in the given order."""
+    if len({id(req[0]) for req in requests}) == len(requests):
+        return [requests]
     queues: dict[int, list[MaskRequest]] = {}
     for req in requests:
         queues.setdefault(id(req[0]), []).append(req)
     for q in queues.values():
         q.sort(key=lambda r: r[2])
-    for depth in range(max(len(q) for q in queues.values())):
-        matchers, rows, filled = [], [], []
-        for q in queues.values():
-            if depth < len(q):
-                state, outputs, n, committed, row = q[depth]
-                if state.follow(outputs, n, committed):
-                    bitmask[row] = info.stop_mask
-                elif (known := state.masks.get(n)) is not None:
-                    bitmask[row] = known
-                else:
-                    matchers.append(state.matcher)
-                    rows.append(row)
-                    filled.append((state, n, row))
-        if matchers:
-            info.batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-            for state, n, row in filled:
-                if state.keep_masks:
-                    state.masks[n] = bitmask[row].clone()
+    return [[q[depth] for q in queues.values() if depth < len(q)] for depth in range(max(map(len, queues.values())))]

@@ -23,11 +23,12 @@ slot the same way: a prefill's first output (n = 0), a fast-path step (the prefi
 candidates known when the step is sampled), each position of a verify window (the prefix up to that
 position: committed tokens, then the window's candidates) and of a teacher-forced window (the recorded
 tokens). Steps 1-3 run on the logits' device as a handful of gathers and scatters over the ids they touch;
-step 4 fills the masks on the host (the grammar library), in pinned memory when the logits are on CUDA,
-copied without waiting, then applied by the library's kernel where the logits are.
+step 4 fills the masks on the host (the grammar library), in pinned memory when the logits are on CUDA
+(MaskStaging), copied without waiting, then applied by the library's kernel where the logits are.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -132,23 +133,64 @@ def _staged(a: np.ndarray, device: torch.device) -> torch.Tensor:
 
 def _apply_masks(logits: torch.Tensor, masked: list[tuple[int, Slot]]) -> None:
     """Step 4: the grammar masks, filled on the host, applied where the logits are (the library's kernel:
-    x = -inf where the mask bit is 0). On CUDA the filled rows go through pinned memory without waiting and are
-    scattered into a device bitmask as tall as the logits, whose rows the kernel reads by logits row."""
+    x = -inf where the mask bit is 0, on the rows it is given). On CUDA the masks and the rows go to the device
+    in one copy without waiting (MaskStaging)."""
     import xgrammar as xgr
 
     vocab = logits.shape[1]
-    words = masked[0][1].grammar.info.words  # type: ignore[union-attr]
-    assert words * 32 >= vocab, (words, vocab)
+    info = masked[0][1].grammar.info  # type: ignore[union-attr]
+    assert info.words * 32 >= vocab, (info.words, vocab)
     rows = [r for r, _ in masked]
-    if logits.is_cuda:
-        compact = torch.empty((len(masked), words), dtype=torch.int32, pin_memory=True)
-        fill_masks([(s.grammar, s.outputs, s.n, s.committed, j) for j, (_, s) in enumerate(masked)],  # type: ignore[misc]
-                   compact)
-        rows_t = _staged(np.array(rows, dtype=np.int64), logits.device)
-        bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32, device=logits.device)
-        bitmask[rows_t] = compact.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows_t)
+    if not logits.is_cuda:
+        bitmask = torch.empty((logits.shape[0], info.words), dtype=torch.int32)
+        fill_masks([(s.grammar, s.outputs, s.n, s.committed, r) for r, s in masked], bitmask)  # type: ignore[misc]
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
         return
-    bitmask = torch.empty((logits.shape[0], words), dtype=torch.int32)
-    fill_masks([(s.grammar, s.outputs, s.n, s.committed, r) for r, s in masked], bitmask)  # type: ignore[misc]
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+    staging = info.staging.get(logits.device) or info.staging.setdefault(logits.device, MaskStaging(info.words))
+    head = -(-len(rows) // info.words)  # index rows ahead of the masks
+    with staging.lock:
+        host = staging.take(head + max(rows) + 1)
+        host.numpy().reshape(-1)[: len(rows)] = rows
+        fill_masks([(s.grammar, s.outputs, s.n, s.committed, head + r) for r, s in masked], host)  # type: ignore[misc]
+        staged = host.to(logits.device, non_blocking=True)
+        staging.sent(logits.device)
+    indices = staged[:head].view(-1)[: len(rows)]
+    xgr.apply_token_bitmask_inplace(logits, staged[head:], vocab_size=vocab, indices=indices)
+
+
+class MaskStaging:
+    """Pinned host buffers through which one vocabulary's grammar masks go to a CUDA device, reused from step to
+    step: a ring of SLOTS buffers, each written again only once the copy out of it is complete (its event).
+
+    A staged buffer (int32 [head + rows, words]):   index rows | mask rows
+        rows 0 .. head-1        the logits rows to mask, int32, back to back (then unused words)
+        row head + r            the mask of logits row r (rows that are not masked: stale, never read)
+    so one copy carries the masks and the row indices the kernel reads them by."""
+
+    SLOTS = 4
+
+    def __init__(self, words: int) -> None:
+        self.words = words
+        self.lock = threading.Lock()  # a slot is taken, filled and sent under it
+        self._buffers: list[torch.Tensor | None] = [None] * self.SLOTS
+        self._events: list[torch.cuda.Event | None] = [None] * self.SLOTS
+        self._slot = self.SLOTS - 1
+
+    def take(self, rows: int) -> torch.Tensor:
+        """The next slot's buffer, `rows` tall, once the copy out of it is complete."""
+        self._slot = (self._slot + 1) % self.SLOTS
+        event = self._events[self._slot]
+        if event is not None:
+            event.synchronize()  # a step or more ago: normally complete already
+        buf = self._buffers[self._slot]
+        if buf is None or buf.shape[0] < rows:
+            buf = self._buffers[self._slot] = torch.empty((-(-rows // 64) * 64, self.words), dtype=torch.int32,
+                                                          pin_memory=True)
+        return buf[:rows]
+
+    def sent(self, device: torch.device) -> None:
+        """The copy out of the slot last taken is queued on `device`'s current stream."""
+        event = self._events[self._slot]
+        if event is None:
+            event = self._events[self._slot] = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))

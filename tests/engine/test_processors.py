@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.grammar import (GrammarError, GrammarSpec, GrammarState, compile_grammar, fill_masks, tokenizer_info,
-                            validate_grammar)
+from engine.grammar import (PARALLEL_MASKS, GrammarError, GrammarSpec, GrammarState, compile_grammar, fill_masks,
+                            tokenizer_info, validate_grammar)
 from engine.processors import Slot, apply_processors
 from engine.sampling import SamplingParams, sample_row
 
@@ -121,7 +121,7 @@ def test_grammar_mask_is_a_pure_function_of_the_prefix(info, smollm2_source) -> 
             bm = torch.zeros((1, words), dtype=torch.int32)
             state.fill(outputs, n, bm, 0)
             assert torch.equal(bm, fresh[n]), n
-        state.fill(outputs, len(outputs), torch.zeros((1, words), dtype=torch.int32), 0)
+        state.follow(outputs, len(outputs))  # a kept mask is served without moving the matcher: move it
         assert state.accepted.count(False) == (outputs is bad)
     # one state asked along two prefixes that part at position 7, in turn: the masks it keeps from one are
     # never served for the other (GrammarState.masks)
@@ -165,6 +165,70 @@ def test_grammar_mask_is_a_pure_function_of_the_prefix(info, smollm2_source) -> 
     assert _allowed(bm) == {2}  # the object is complete: only EOS
     state.fill(good, len(good), bm, 0)
     assert _allowed(bm) == {2}  # after EOS: still only the stop tokens
+
+
+def _fresh(compiled, info, outputs: list[int], n: int) -> torch.Tensor:
+    """The mask after outputs[:n] from a new state."""
+    one = torch.zeros((1, info.words), dtype=torch.int32)
+    GrammarState(compiled, info).fill(outputs, n, one, 0)
+    return one[0]
+
+
+def test_a_completed_row_asks_the_library_nothing(info, smollm2_source, capfd) -> None:
+    """A row held past its stop token (ignore_eos): every later slot allows only the stop tokens, the tokens after
+    the stop are skipped without the library being asked (it would log a warning for each), and a rollback to
+    before the stop finds the grammar open again."""
+    compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(PERSON)), info)
+    good = list(smollm2_source.tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)) + [2]
+    held = good + [2, 2, 2]
+    capfd.readouterr()
+    state = GrammarState(compiled, info, keep_masks=False)
+    bm = torch.zeros((1, info.words), dtype=torch.int32)
+    for n in range(len(good), len(held) + 1):
+        state.fill(held, n, bm, 0, committed=n)
+        assert _allowed(bm) == {2}, n
+    assert state.accepted == [True] * len(good) + [False] * 3
+    assert "terminated" not in capfd.readouterr().err
+    state.fill(held, 5, bm, 0)
+    assert torch.equal(bm[0], _fresh(compiled, info, held, 5)) and 2 not in _allowed(bm)
+    state.fill(held, len(held), bm, 0)
+    assert _allowed(bm) == {2}
+
+
+def test_a_window_reads_kept_masks_without_moving_the_matcher(info, smollm2_source) -> None:
+    """A DVR row's verify window over the prefixes its fast path filled copies the kept masks and leaves the
+    matcher where the fast path left it; a prefix that then parts from the window inside it (a rollback) still
+    gets its own masks."""
+    tok = smollm2_source.tokenizer
+    compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(PERSON)), info)
+    good = list(tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)) + [2]
+    bad = good[:7] + [tok.encode("zebra", add_special_tokens=False)[0]] + good[7:]  # parts from good at 7
+    state = GrammarState(compiled, info)
+    bm = torch.zeros((1, info.words), dtype=torch.int32)
+    for n in range(3, 12):  # the fast path after a committed prefix of 3
+        state.fill(good, n, bm, 0, committed=3)
+    window = torch.zeros((8, info.words), dtype=torch.int32)
+    fill_masks([(state, good, n, 3, n - 3) for n in range(3, 11)], window)
+    assert all(torch.equal(window[n - 3], _fresh(compiled, info, good, n)) for n in range(3, 11))
+    assert state.ids == good[:11]  # not walked back
+    for n in range(8, len(bad) + 1):  # the window kept good[:7] and committed bad[7]
+        state.fill(bad, n, bm, 0, committed=8)
+        assert torch.equal(bm[0], _fresh(compiled, info, bad, n)), n
+
+
+@pytest.mark.parametrize("count", [PARALLEL_MASKS - 1, PARALLEL_MASKS])
+def test_masks_filled_in_one_batch_equal_single_fills(info, smollm2_source, count) -> None:
+    """One round of `count` states, on one thread below PARALLEL_MASKS and on several from it, at rows out of
+    order: every row equals the mask a single state fills."""
+    compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(PERSON)), info)
+    good = list(smollm2_source.tokenizer.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)) + [2]
+    rows = list(range(count))
+    random.Random(count).shuffle(rows)
+    requests = [(GrammarState(compiled, info), good, i % len(good), 0, row) for i, row in enumerate(rows)]
+    bm = torch.zeros((count, info.words), dtype=torch.int32)
+    fill_masks(requests, bm)
+    fresh = [_fresh(compiled, info, good, n) for n in range(len(good))]
+    assert all(torch.equal(bm[row], fresh[i % len(good)]) for i, row in enumerate(rows))
 
 
 @pytest.mark.parametrize("spec, words", [
