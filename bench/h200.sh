@@ -40,7 +40,8 @@
 #               STREAM_CADENCES (default 0,8,12,16) against non-deterministic, the synthetic 8B and SmolLM2:
 #               bench/stream_bench.py             -> stream-bench-8b.json / .png, stream-bench-smollm2.json / .png
 #   schema      25 % of the requests under a JSON schema against the same mix without: SmolLM2, then the
-#               synthetic 8B (bench/schema_mix_bench.py)     -> schema-mix-smollm2.json, schema-mix-8b.json
+#               synthetic 8B (bench/schema_mix_bench.py; SCHEMA_MODELS picks some of "smollm2 8b")
+#                                                           -> schema-mix-smollm2.json, schema-mix-8b.json
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
 #   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs
 #                                  -> serve-profile.txt, serve-top.txt, serve-threads.txt (+ the bench's JSON)
@@ -209,11 +210,15 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   grep -v Warn "$OUT/serve-bench-profiled.log" | tail -20
 }
 
-stage_schema() {  # at most 200 + 380 s
-  timeout "${SCHEMA_SMOL_TIMEOUT:-200}" python3 bench/schema_mix_bench.py --models smollm2 --gguf "$GGUF" \
-    --schema-share 0.25 --out "$OUT" --name schema-mix-smollm2 ${SCHEMA_ARGS:-} 2>&1 | grep -v Warn | tail -6
-  timeout "${SCHEMA_8B_TIMEOUT:-380}" python3 bench/schema_mix_bench.py --models synthetic --gguf "$GGUF" \
-    --schema-share 0.25 --cap-s 30 --out "$OUT" --name schema-mix-8b ${SCHEMA_ARGS:-} 2>&1 | grep -v Warn | tail -6
+stage_schema() {  # at most 200 + 380 s; SCHEMA_MODELS picks some of "smollm2 8b"
+  local models=" ${SCHEMA_MODELS:-smollm2 8b} "
+  [[ $models == *" smollm2 "* ]] && timeout "${SCHEMA_SMOL_TIMEOUT:-200}" python3 bench/schema_mix_bench.py \
+    --models smollm2 --gguf "$GGUF" --schema-share 0.25 --out "$OUT" --name schema-mix-smollm2 ${SCHEMA_ARGS:-} \
+    2>&1 | grep -v Warn | tail -6
+  [[ $models == *" 8b "* ]] && timeout "${SCHEMA_8B_TIMEOUT:-380}" python3 bench/schema_mix_bench.py \
+    --models synthetic --gguf "$GGUF" --schema-share 0.25 --cap-s 30 --out "$OUT" --name schema-mix-8b \
+    ${SCHEMA_ARGS:-} 2>&1 | grep -v Warn | tail -6
+  return 0
 }
 
 stage_proctests() {
