@@ -43,8 +43,9 @@
 #               synthetic 8B (bench/schema_mix_bench.py; SCHEMA_MODELS picks some of "smollm2 8b")
 #                                                           -> schema-mix-smollm2.json, schema-mix-8b.json
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
-#   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs
-#                                  -> serve-profile.txt, serve-top.txt, serve-threads.txt (+ the bench's JSON)
+#   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs, and
+#               every Python process of the run sampled by bench/profiling/sitecustomize.py
+#                           -> serve-profile.txt, serve-top.txt, serve-threads.txt, prof/<pid>.txt (+ the bench's JSON)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -194,7 +195,8 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
   # per stack and process with its sample count), the processes' CPU: $OUT/serve-top.txt, their busy threads':
   # $OUT/serve-threads.txt
-  ( timeout "${SERVEPROF_TIMEOUT:-200}" python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
+  ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-200}" \
+      python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
       ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
       > "$OUT/serve-bench-profiled.log" 2>&1 ) &
   local bench=$! i pid
