@@ -6,8 +6,9 @@ half of CPU per completion. ``serve`` therefore runs, on a CUDA host, several wo
 
     serve (this process)  binds the port, migrates, creates keys, then starts and watches the others
       engine process      one EngineCore (engine.engine_process.EngineHost), one pipe per worker
-      worker 1..N         uvicorn + the app on the shared listening socket; its engine is an
-                          EngineProcess client on its pipe; the kernel hands each connection to one worker
+      worker 1..N         uvicorn + the app on its own listening socket of the port (SO_REUSEPORT: the
+                          kernel spreads connections evenly over the workers); its engine is an
+                          EngineProcess client on its pipe
 
 The workers share what a replica shares (docs/replicas.md): the database (on SQLite, one file on this host;
 appends take the database's write lock first), the key directory, and, in ``settings.run_dir``, the rate
@@ -54,14 +55,33 @@ def resolved_workers(settings: Settings) -> int:
     return max(1, min(8, (os.cpu_count() or 1) // 4))
 
 
-def _listen(host: str, port: int) -> socket.socket:
+def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
+    """The listening sockets of ``count`` workers on ``(host, port)`` (port 0: one free port for all).
+
+    Where the platform load-balances SO_REUSEPORT sockets (Linux), each worker gets one of its own: the kernel
+    spreads new connections over their accept queues by address hash, so a burst of connections, and the
+    keep-alive traffic each then carries, is shared out evenly. Elsewhere all workers share one socket and
+    accept from it in turn (a worker's event loop takes every connection waiting when it wakes, so a burst
+    may land on one)."""
+    balanced = sys.platform.startswith("linux") and hasattr(socket, "SO_REUSEPORT")
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count if balanced else 1):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if balanced:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+            sock.bind((host, port))
+            port = sock.getsockname()[1]
+            sock.listen(2048)
+            sock.set_inheritable(True)
+    except BaseException:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks if balanced else socks * count
 
 
 def _reset_run_dir(settings: Settings) -> None:
@@ -82,7 +102,7 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
     settings = dataclasses.replace(settings, workers=workers)
     _reset_run_dir(settings)
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(settings.run_dir / "metrics")
-    sock = _listen(settings.host, settings.port)
+    socks = listen_sockets(settings.host, settings.port, workers)
     host = None
     connections: list[Any] = [None] * workers
     if not settings.engine_factory:
@@ -95,13 +115,14 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
         connections = list(host.connections)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, args=(settings, sock, conn, stop_on_load_error),
-                         name=f"verbatim-worker-{i}") for i, conn in enumerate(connections)]
+                         name=f"verbatim-worker-{i}") for i, (sock, conn) in enumerate(zip(socks, connections))]
     for proc in procs:
         proc.start()
     for conn in connections:  # each end lives on in its worker
         if conn is not None:
             conn.close()
-    sock.close()
+    for sock in set(socks):
+        sock.close()
     stopping = {"signal": None}
 
     def on_signal(signum: int, _frame: Any) -> None:
@@ -148,7 +169,7 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
 
 
 def _worker_main(settings: Settings, sock: socket.socket, conn: Any, stop_on_load_error: bool) -> None:
-    """One worker: the app on the shared socket, its engine the shared one (through ``conn``) or, with an
+    """One worker: the app on its listening socket, its engine the shared one (through ``conn``) or, with an
     engine factory, its own."""
     import uvicorn
 

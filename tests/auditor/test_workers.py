@@ -12,7 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
 import signal
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +24,7 @@ import pytest
 
 from auditor.ratelimit import FileRateLimiter
 from auditor.settings import Settings
-from auditor.workers import resolved_workers
+from auditor.workers import listen_sockets, resolved_workers
 from tests.auditor.processes import Process
 from tests.auditor.replicas_support import FAKE_ENGINE
 from tests.auditor.conftest import REAL_ENGINE_OPTIONS, free_port
@@ -104,6 +107,29 @@ async def _load(url: str, key: str, n: int) -> list[int]:
 
     await asyncio.gather(*(client(k) for k in range(16)))
     return indices
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="SO_REUSEPORT balancing is Linux's")
+def test_each_worker_listens_on_the_port_and_connections_are_spread_over_them() -> None:
+    """Every worker gets a listening socket of its own on the one port, and the kernel spreads a burst of
+    connections over all of them (with one shared socket, whichever worker woke first would take the burst)."""
+    socks = listen_sockets("127.0.0.1", 0, 4)
+    clients: list[socket.socket] = []
+    try:
+        assert len(set(socks)) == 4
+        port = socks[0].getsockname()[1]
+        assert {s.getsockname() for s in socks} == {("127.0.0.1", port)}
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(200)]
+        accepted = [0] * len(socks)
+        for i, sock in enumerate(socks):
+            sock.setblocking(False)
+            while select.select([sock], [], [], 0.2)[0]:
+                sock.accept()[0].close()
+                accepted[i] += 1
+        assert sum(accepted) == 200 and min(accepted) > 0, accepted
+    finally:
+        for c in [*clients, *socks]:
+            c.close()
 
 
 @pytest.mark.timeout(180)
