@@ -36,15 +36,11 @@ DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 # slots per sequence the budget must hold for that many; a smaller budget gets proportionally fewer sequences
 DEFAULT_CUDA_MAX_NUM_SEQS = 256
 CUDA_SEQ_SIZING_TOKENS = 1024
-# the smallest canonical prefill pass: short deterministic prompts pack into passes of this many tokens. On CUDA
-# it is sized from the model: the pass of a lone short prompt does at most the work of CUDA_CANONICAL_PREFILL_WORK
-# token-parameters (256 tokens through an 8e9-parameter model, about one read of its weights on an H100: its first
-# token comes about as soon as a plain prefill's), as a power of two from 256 to
-# DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS; a small model, whose steps cost the host more than the device, keeps
-# passes of 2048, which pack a burst of short prompts into few steps
+# the smallest canonical prefill pass: short deterministic prompts pack into passes of this many tokens. A lone
+# short prompt pays for the whole pass (on the 8B its first token comes about 30 ms later than a plain prefill's);
+# 256 removes that, but a burst of deterministic prompts then takes many small passes: on the 8B's short mix at
+# dvr 100 % that is 0.72x of non-deterministic against 0.88x with 2048 (docs/performance.md, H100)
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
-CUDA_CANONICAL_PREFILL_SMALLEST = 256
-CUDA_CANONICAL_PREFILL_WORK = 256 * 8_000_000_000
 CPU_CANONICAL_PREFILL_MIN_TOKENS = 64
 # decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt (CUDA graphs on): it is
 # faster at batch 64 and slower at batch 1 (bench/step_probe.py measures the cut)
@@ -69,17 +65,6 @@ def resolve_decode_cublaslt_min_rows(value: int | None, cuda_graphs_on_cuda: boo
     if value is not None:
         return value
     return DEFAULT_DECODE_CUBLASLT_MIN_ROWS if cuda_graphs_on_cuda else 0
-
-
-def cuda_canonical_prefill_min_tokens(model_params: int | None) -> int:
-    """DvrTuning.canonical_prefill_min_tokens on CUDA when unset (before the prefill budget caps it): the power of
-    two from CUDA_CANONICAL_PREFILL_SMALLEST to DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS nearest above
-    CUDA_CANONICAL_PREFILL_WORK / model_params; the largest when the model's size is not known."""
-    if not model_params:
-        return DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS
-    tokens = -(-CUDA_CANONICAL_PREFILL_WORK // model_params)
-    return min(DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, max(CUDA_CANONICAL_PREFILL_SMALLEST,
-                                                              1 << (tokens - 1).bit_length()))
 
 
 def resolve_max_num_seqs(value: int | None, usable_kv_slots: int) -> int:
@@ -255,9 +240,8 @@ class DvrTuning:
 
     canonical_prefill_min_tokens: int | None = _option(
         None, "DVR and replay prompts are prefilled in passes of exactly max(this, the next power of two >= the "
-        "prompt) tokens (packed, dummy-padded), at most max_num_batched_tokens. None: on CUDA sized from the "
-        "model, a power of two from 256 (8e9 parameters and more) to 2048 (1e9 and less), at most the budget; 64 "
-        "on the CPU. Part of the runtime fingerprint")
+        "prompt) tokens (packed, dummy-padded), at most max_num_batched_tokens. None: 2048 (at most the budget) "
+        "on CUDA, 64 on the CPU. Part of the runtime fingerprint")
     dvr_decode_attention: DvrDecodeAttention = _option(
         DvrDecodeAttention.AUTO, "attention of DVR rows in a decode step: canonical / canonical_step / "
         "canonical_step_short / split (DvrDecodeAttention); auto: canonical_step_short on CUDA, split on the CPU")
@@ -448,20 +432,18 @@ class EngineConfig:
         return backend
 
     def resolve(self, device: Device | str | torch.device | None = None, *, model_max_len: int | None = None,
-                free_kv_blocks: int | None = None, model_params: int | None = None) -> EngineConfig:
+                free_kv_blocks: int | None = None) -> EngineConfig:
         """This config for `device` (a type: cpu / cuda; None: `device_type`) with every default decided: a new
         frozen config in which no field is None, nested ones included. Resolving a resolved config returns an
         equal one.
 
         `model_max_len`: the model's context length (the default and the cap of max_model_len), needed unless
         max_model_len is set. `free_kv_blocks`: on CUDA with num_kv_blocks None, the blocks kv_memory_share of
-        the free memory holds (the model runner measures it after loading the weights). `model_params`: the
-        parameters of the model (of one rank's shard under tensor parallelism), which size CUDA's smallest
-        canonical prefill pass (`cuda_canonical_prefill_min_tokens`)."""
+        the free memory holds (the model runner measures it after loading the weights)."""
         kind = self.device_type if device is None else Device.of(device)
         _check(kind != Device.AUTO, "device", "resolve needs a device type, cpu or cuda")
         _check(self.device in (Device.AUTO, kind), "device", f"{self.device.value!r}, resolved for {kind.value}")
-        decided = self._device_defaults(kind, model_params)
+        decided = self._device_defaults(kind)
         if self.num_kv_blocks is not None:
             blocks = self.num_kv_blocks
         elif kind == Device.CPU:
@@ -485,7 +467,7 @@ class EngineConfig:
             num_threads=torch.get_num_threads() if self.num_threads is None else self.num_threads,
             cache_dir=self.cache_dir or str(default_cache_dir()))
 
-    def _device_defaults(self, kind: Device, model_params: int | None = None) -> dict[str, Any]:
+    def _device_defaults(self, kind: Device) -> dict[str, Any]:
         """The fields whose defaults the device type decides, resolved for `kind`; ValueError where a value
         cannot run there."""
         on_cuda = kind == Device.CUDA
@@ -501,7 +483,8 @@ class EngineConfig:
             dtype = DType.BFLOAT16 if on_cuda else DType.FLOAT32
         prefill_min = t.canonical_prefill_min_tokens
         if prefill_min is None:
-            prefill_min = min(cuda_canonical_prefill_min_tokens(model_params), budget) if on_cuda \
+            # CUDA: the passes a plain prefill of fast prompts would fill under load; a lone prompt pays for one
+            prefill_min = min(DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, budget) if on_cuda \
                 else CPU_CANONICAL_PREFILL_MIN_TOKENS
         decode_attention = t.dvr_decode_attention
         if decode_attention == DvrDecodeAttention.AUTO:

@@ -115,11 +115,7 @@ class ModelRunner:
         free = free_kv_blocks(config, shape, dtype, device)
         if tp is not None and free is not None:  # the scheduler's block tables index every rank's cache
             free = tp.agree_min(free)
-        params = sum(p.numel() for p in model.parameters()) if isinstance(model, torch.nn.Module) else None
-        if tp is not None and params is not None:  # every rank resolves the same canonical pass size
-            params = tp.agree_min(params)
-        self.config = config = config.resolve(device, model_max_len=shape.max_model_len, free_kv_blocks=free,
-                                              model_params=params)
+        self.config = config = config.resolve(device, model_max_len=shape.max_model_len, free_kv_blocks=free)
         # the attention kernels run under config.kernels, the settings the runtime fingerprint names
         bi = config.mode == Mode.BATCH_INVARIANT
         self.model = batch_invariant(model, config.kernels) if bi else with_kernels(model, config.kernels)

@@ -9,8 +9,7 @@ from typing import Any
 
 import torch
 
-from engine.config import (DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, DvrTuning, EngineConfig,
-                           cuda_canonical_prefill_min_tokens)
+from engine.config import DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, SCRATCH_BLOCK, ZERO_BLOCK, DvrTuning
 from engine.model_runner import DUMMY_PREFILL_ROW, DUMMY_TOKEN, ModelRunner, ModelShape, Row
 from engine.sampling import SamplingParams
 from engine.scheduler import CANONICAL_PREFILL_ROWS, Scheduler, StepKind, canonical_prefill_tokens
@@ -30,9 +29,8 @@ def test_pass_size_is_a_function_of_the_prompt_and_config() -> None:
 
 
 def test_cuda_default_pass_is_2048_tokens_at_most_the_budget() -> None:
-    """CUDA's default smallest canonical pass, for a model of unknown or small size, is 2048 tokens, at most the
-    prefill budget (a config only: building it needs no GPU); another minimum is a setting, and the pass sizes
-    follow it."""
+    """CUDA's default smallest canonical pass is 2048 tokens, at most the prefill budget (a config only:
+    building it needs no GPU); another minimum is a setting, and the pass sizes follow it."""
     default = resolved(device="cuda").tuning.canonical_prefill_min_tokens
     assert default == DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS == 2048
     assert resolved(device="cuda", max_num_batched_tokens=8192).tuning.canonical_prefill_min_tokens == 2048
@@ -41,28 +39,6 @@ def test_cuda_default_pass_is_2048_tokens_at_most_the_budget() -> None:
                     tuning=DvrTuning(canonical_prefill_min_tokens=8192)).tuning.canonical_prefill_min_tokens == 8192
     cfg = resolved(device="cuda", max_num_batched_tokens=8192, tuning=DvrTuning(canonical_prefill_min_tokens=2048))
     assert [canonical_prefill_tokens(cfg, n) for n in (1, 2048, 2049, 4097, 8192)] == [2048, 2048, 4096, 8192, 8192]
-
-
-def test_cuda_default_pass_is_sized_from_the_model() -> None:
-    """Unset on CUDA, the smallest pass follows the model's parameter count: 256 tokens for Llama-3.1-8B (8.03e9
-    parameters) and larger, 2048 for SmolLM2-135M and any model of 1e9 or less, powers of two between; a set
-    value, the budget and the CPU's default are kept whatever the model."""
-    sizes = {n: cuda_canonical_prefill_min_tokens(n)
-             for n in (134_515_008, 1_000_000_000, 1_000_000_001, 3_000_000_000, 8_030_261_248, 70_000_000_000)}
-    assert sizes == {134_515_008: 2048, 1_000_000_000: 2048, 1_000_000_001: 2048, 3_000_000_000: 1024,
-                     8_030_261_248: 256, 70_000_000_000: 256}
-    assert cuda_canonical_prefill_min_tokens(None) == 2048
-
-    def resolve(params: int, **kw: object) -> int:
-        cfg = EngineConfig(**kw).resolve("cuda", model_max_len=8192, free_kv_blocks=4096, model_params=params)
-        assert cfg.resolve("cuda", model_max_len=8192, free_kv_blocks=4096, model_params=1) == cfg
-        return cfg.tuning.canonical_prefill_min_tokens
-
-    assert resolve(8_030_261_248) == 256 and resolve(3_000_000_000) == 1024
-    assert resolve(134_515_008, max_num_batched_tokens=512) == 512
-    assert resolve(8_030_261_248, tuning=DvrTuning(canonical_prefill_min_tokens=4096)) == 4096
-    cpu = EngineConfig().resolve("cpu", model_max_len=8192, model_params=8_030_261_248)
-    assert cpu.tuning.canonical_prefill_min_tokens == 64
 
 
 def test_runner_pads_the_pass_and_the_logits_gemm() -> None:
