@@ -79,6 +79,10 @@ Loader = Callable[[EngineConfig], Any]
 
 _LAST_OUTPUTS_KEPT = 4096
 _STATS_EVERY_S = 0.25
+# commands the engine process runs between two steps while it has work: a burst of requests (a thousand sent at
+# once through several serving processes arrives over a few hundred milliseconds) is admitted step by step
+# instead of holding every step back until it is over
+_COMMANDS_PER_STEP = 64
 _STEP_TAG = b"S"
 
 
@@ -767,10 +771,11 @@ class _EngineLoop:
             self._replays()
 
     def _commands(self, timeout: float) -> int:
-        """Run every command waiting on the pipes (waiting up to `timeout` for the first); how many ran,
-        counting clients dropped."""
+        """Run the commands waiting on the pipes (waiting up to `timeout` for the first): every one when the
+        engine is idle, at most about _COMMANDS_PER_STEP when it has work; how many ran, counting clients
+        dropped."""
         count = 0
-        while True:
+        while not (count >= _COMMANDS_PER_STEP and self.core.has_work()):
             count += self._drop_closed()
             conns = list(self.clients.conns.values())
             ready = wait([*conns, self.clients.control], timeout if count == 0 else 0)
@@ -795,6 +800,7 @@ class _EngineLoop:
                 count += 1
             if self.stop:
                 return count
+        return count
 
     def _command(self, client: int, kind: str, *body: Any) -> None:
         if kind == "add":

@@ -170,3 +170,52 @@ async def test_a_killed_client_process_leaves_the_other_served(smollm2_source: A
         host.stop(timeout_s=5)
     expected = make_real_llm().generate([prompt], [params])
     assert outs[-1].finished and _bits(outs[-1]) == _bits(expected[0])
+
+
+class _CountingCore:
+    """The part of EngineCore that _EngineLoop._commands touches: requests added, and whether any is queued."""
+
+    def __init__(self) -> None:
+        self.added: list[str] = []
+
+    def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+        self.added.append(rid)
+
+    def has_work(self) -> bool:
+        return bool(self.added)
+
+
+def test_a_burst_of_requests_is_admitted_between_steps_not_before_them() -> None:
+    """The engine process takes at most _COMMANDS_PER_STEP commands between two steps while it has work, so a
+    flood of requests from its clients does not hold its steps back until the flood ends; idle, it takes them
+    all (nothing to step)."""
+    from engine import engine_process as ep
+
+    pipes = [mp.Pipe() for _ in range(2)]
+    control_ours, control_theirs = mp.Pipe()
+    loop = object.__new__(ep._EngineLoop)
+    loop.core, loop.publisher, loop.owner, loop.stop = _CountingCore(), ep._Publisher(), {}, False
+    loop.clients = ep._Clients([theirs for _, theirs in pipes], control_theirs)
+    try:
+        burst = 3 * ep._COMMANDS_PER_STEP
+        for k in range(burst):
+            pipes[k % 2][0].send(("add", f"r{k}", [1, 2, 3], SamplingParams(max_tokens=1)))
+        first = loop._commands(0)
+        assert ep._COMMANDS_PER_STEP <= first < ep._COMMANDS_PER_STEP + len(pipes), first
+        assert loop.core.added == [f"r{k}" for k in range(first)]  # in arrival order, two clients interleaved
+        second = loop._commands(0)
+        assert ep._COMMANDS_PER_STEP <= second < ep._COMMANDS_PER_STEP + len(pipes)
+        while loop._commands(0):
+            pass
+        assert len(loop.core.added) == burst and set(loop.owner) == {f"r{k}" for k in range(burst)}
+        idle = object.__new__(ep._EngineLoop)  # nothing queued: every waiting command runs at once
+        idle.core, idle.publisher, idle.owner, idle.stop, idle.clients = (
+            type("Idle", (_CountingCore,), {"has_work": lambda self: False})(), ep._Publisher(), {}, False,
+            loop.clients)
+        for k in range(burst):
+            pipes[k % 2][0].send(("add", f"s{k}", [1], SamplingParams(max_tokens=1)))
+        assert idle._commands(0) == burst
+    finally:
+        for ours, theirs in [*pipes, (control_ours, control_theirs)]:
+            ours.close()
+            theirs.close()
