@@ -6,10 +6,9 @@ engine alone on the same requests in the same run (issue 25 item 3), and stream 
     python bench/serve_bench.py --model PATH.gguf --quick --out OUT       # any model the engine loads
     python bench/serve_bench.py --model synthetic:tiny:peaked --device cpu --quick --out OUT   # CPU smoke
 
-On the H200 `bash bench/h200.sh serve` runs the synthetic 8B (full preset, --deadline-s 300) and SmolLM2
-(--quick, --deadline-s 180) in one device call. Those durations are estimates, not yet measured on the H200: at
-about 100 req/s saturation a full run holds some 5,000 transcripts, and --deadline-s skips the rate points
-that would not fit (saturation points first, then the rates mode by mode).
+On the GPU machine `bash bench/h200.sh serve` runs the synthetic 8B (full preset, --deadline-s 290) and SmolLM2
+(--quick, --deadline-s 240) in one device call; on an H100 the 8B's run holds some 7,500 transcripts, and
+--deadline-s skips the rate points that would not fit (saturation points first, then the rates mode by mode).
 
 --model: synthetic-8b (= synthetic:llama-3.1-8b:peaked, the engine bench's peaked synthetic 8B: no natural
 rollbacks), smollm2 (= default), or anything EngineConfig.model takes. --engine-option KEY=JSON passes an

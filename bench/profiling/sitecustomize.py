@@ -36,7 +36,13 @@ def _start(directory: str) -> None:
             frame = frame.f_back  # type: ignore[attr-defined]
         counts[";".join(reversed(names))] += 1
 
+    lock = threading.Lock()  # the writer thread and the exit hook write the same file
+
     def write() -> None:
+        with lock:
+            _write()
+
+    def _write() -> None:
         mp = sys.modules.get("multiprocessing")
         name = mp.current_process().name if mp is not None else "MainProcess"
         lines = [f"# pid {os.getpid()} ppid {os.getppid()} process {name} period_s {PERIOD_S} "
