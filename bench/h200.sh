@@ -45,7 +45,7 @@
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
 #   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs, and
 #               every Python process of the run sampled by bench/profiling/sitecustomize.py
-#                           -> serve-profile.txt, serve-top.txt, serve-threads.txt, prof/<pid>.txt (+ the bench's JSON)
+#               -> serve-profile.txt, serve-profiles.tgz (serve-top.txt, serve-threads.txt, prof/<pid>.txt), the JSON
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -210,6 +210,9 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
     top -b -d 2 -n 5 | grep -E "python|PID" > "$OUT/serve-top.txt"
   fi
   wait
+  # one archive: a call brings back only so many files
+  tar czf "$OUT/serve-profiles.tgz" -C "$OUT" prof serve-top.txt serve-threads.txt py-spy.log 2>/dev/null \
+    && rm -rf "$OUT/prof" "$OUT/serve-top.txt" "$OUT/serve-threads.txt"
   grep -v Warn "$OUT/serve-bench-profiled.log" | tail -20
 }
 
