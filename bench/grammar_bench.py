@@ -239,12 +239,10 @@ def engine_walk(source: Any, vocab: int, eos: list[int], repeats: int) -> dict[s
 def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: int, steps: int,
                  window: int = 32, batch: int = 64) -> dict[str, Any]:
     """Host time of the processors per decode step of `rows` constrained rows (see the module docstring)."""
-    import os
-
     import xgrammar as xgr
 
     from bench.schema_mix_bench import SCHEMA, spread
-    from engine.grammar import GrammarSpec, GrammarState, compile_request_grammar, fill_masks
+    from engine.grammar import PARALLEL_THREADS, GrammarSpec, GrammarState, compile_request_grammar, fill_masks
     from engine.processors import Slot, apply_processors
     from engine.sampling import SamplingParams
 
@@ -303,7 +301,6 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
             entry[part] = {"step": summary_us(step_s), **({"verify_pass": summary_us(verify_s)} if dvr else {})}
         out[mode] = entry
     fills: dict[str, Any] = {}
-    threads = max(1, min(8, os.cpu_count() or 1))
     for size in (16, 64, 128, 256):
         matchers = [xgr.GrammarMatcher(compiled, max_rollback_tokens=-1) for _ in range(size)]
         for j, m in enumerate(matchers):  # spread along the instances: a mix of grammar positions
@@ -311,7 +308,7 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
                 m.accept_token(t)
         masks = torch.zeros((size, info.words), dtype=torch.int32)
         entry = {}
-        for t in sorted({1, threads}):
+        for t in sorted({1, PARALLEL_THREADS}):
             batcher = xgr.BatchGrammarMatcher(max_threads=t)
             batcher.batch_fill_next_token_bitmask(matchers, masks)
             samples = [timed(lambda: batcher.batch_fill_next_token_bitmask(matchers, masks))[0]

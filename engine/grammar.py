@@ -105,6 +105,8 @@ GRAMMAR_LIBRARY = f"xgrammar-{metadata.version('xgrammar')}"
 
 PARALLEL_MASKS = 128
 """The fewest masks one batch fill spreads over threads (TokenizerInfo.parallel); smaller batches take one."""
+PARALLEL_THREADS = max(1, min(8, os.cpu_count() or 1))
+"""The threads of a parallel batch fill."""
 
 
 class TokenizerInfo:
@@ -123,7 +125,7 @@ class TokenizerInfo:
         # The library's batch fill starts its threads anew on every call with more than one thread, which costs
         # more than a few masks take to fill: a batch of fewer than PARALLEL_MASKS masks is filled on one.
         self.serial = xgr.BatchGrammarMatcher(max_threads=1)
-        self.parallel = xgr.BatchGrammarMatcher(max_threads=max(1, min(8, os.cpu_count() or 1)))
+        self.parallel = xgr.BatchGrammarMatcher(max_threads=PARALLEL_THREADS)
         self.stop_set = frozenset(self.stop_token_ids)
         stop = np.zeros(self.words, dtype=np.int64)
         for t in self.stop_token_ids:
