@@ -19,6 +19,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 PERIOD_S = 0.005
 WRITE_EVERY_S = 2.0
@@ -55,7 +56,7 @@ def _start(directory: str) -> None:
 
     def writer() -> None:
         while True:
-            threading.Event().wait(WRITE_EVERY_S)
+            time.sleep(WRITE_EVERY_S)
             if counts:
                 write()
 
