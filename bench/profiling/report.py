@@ -2,7 +2,7 @@
 ``process N:"cmd"`` frames name the process) or the files bench/profiling/sitecustomize.py writes (one file per
 process, its header line naming it).
 
-    python bench/profiling/report.py serve-profile.txt [--top 30]
+    python bench/profiling/report.py serve-profile.txt [--top 30]      # also .txt.gz
     python bench/profiling/report.py prof/*.txt
 
 For each process, by sample count: the functions on the stack (each counted once per sample, so a share is the
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
 from pathlib import Path
 
@@ -23,7 +24,9 @@ def fold(paths: list[Path]) -> dict[str, collections.Counter[tuple[str, ...]]]:
     stacks: dict[str, collections.Counter[tuple[str, ...]]] = collections.defaultdict(collections.Counter)
     for path in paths:
         name = path.name
-        for line in path.read_text(errors="replace").splitlines():
+        text = gzip.decompress(path.read_bytes()).decode(errors="replace") if path.suffix == ".gz" \
+            else path.read_text(errors="replace")
+        for line in text.splitlines():
             if line.startswith("#"):
                 name = f"{path.name}: {line[1:].strip()[:120]}"
                 continue

@@ -2,6 +2,7 @@
 name the process, and the sampler's one file per process with its header."""
 from __future__ import annotations
 
+import gzip
 from pathlib import Path
 
 from bench.profiling.report import fold, report
@@ -15,6 +16,9 @@ def test_folds_py_spy_and_sampler_stacks_by_process(tmp_path: Path) -> None:
     sampled = tmp_path / "42.txt"
     sampled.write_text("# pid 42 ppid 1 process MainProcess period_s 0.005 argv bench\nrun (d.py:1);work (d.py:5) 3\n")
     stacks = fold([spy, sampled])
+    packed = tmp_path / "serve-profile.txt.gz"
+    packed.write_bytes(gzip.compress(spy.read_bytes()))
+    assert fold([packed]) == {k: v for k, v in stacks.items() if k.startswith("process")}
     assert stacks["process 10"] == {("main (a.py)", "step (b.py)"): 6}
     assert stacks["process 11"] == {("loop (c.py)", "delta (c.py)"): 2}
     [(name, counts)] = [(k, v) for k, v in stacks.items() if k.startswith("42.txt")]
