@@ -192,12 +192,12 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
     ${STREAM_ARGS:-} 2>&1 | grep -v Warn | tail -14
 }
 
-stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (200 s)
+stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (260 s)
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
-  # per stack and process with its sample count), the processes' CPU: $OUT/serve-top.txt, their busy threads':
-  # $OUT/serve-threads.txt
-  ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-200}" \
-      python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 180 \
+  # per stack and process with its sample count; bench/profiling/report.py reads it); in $OUT/serve-profiles.tgz
+  # the sampler's prof/<pid>.txt, the processes' CPU (serve-top.txt) and their busy threads (serve-threads.txt)
+  ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-260}" \
+      python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 240 \
       ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
       > "$OUT/serve-bench-profiled.log" 2>&1 ) &
   local bench=$! i pid
