@@ -42,6 +42,10 @@ CUDA_SEQ_SIZING_TOKENS = 1024
 # dvr 100 % that is 0.72x of non-deterministic against 0.88x with 2048 (docs/performance.md, H100)
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 CPU_CANONICAL_PREFILL_MIN_TOKENS = 64
+# rows of every GEMM of a chunked canonical prefill pass (DvrTuning.canonical_prefill_chunk_tokens; 0: off): set
+# by measurement on the GPU
+DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS = 0
+CPU_CANONICAL_PREFILL_CHUNK_TOKENS = 0
 # decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt (CUDA graphs on): it is
 # faster at batch 64 and slower at batch 1 (bench/step_probe.py measures the cut)
 DEFAULT_DECODE_CUBLASLT_MIN_ROWS = 32
@@ -241,7 +245,13 @@ class DvrTuning:
     canonical_prefill_min_tokens: int | None = _option(
         None, "DVR and replay prompts are prefilled in passes of exactly max(this, the next power of two >= the "
         "prompt) tokens (packed, dummy-padded), at most max_num_batched_tokens. None: 2048 (at most the budget) "
-        "on CUDA, 64 on the CPU. Part of the runtime fingerprint")
+        "on CUDA, 64 on the CPU. Part of the runtime fingerprint (unless canonical_prefill_chunk_tokens > 0)")
+    canonical_prefill_chunk_tokens: int | None = _option(
+        None, "C > 0: every GEMM of a canonical prefill pass runs on exactly C rows (the pass split into C-row "
+        "slices), so a DVR / replay prompt's bits depend on its tokens and C only; its pass then holds any "
+        "deterministic prompts that fit, dummy-padded to the next multiple of C (a lone short prompt: C tokens), "
+        "instead of max(canonical_prefill_min_tokens, ...). max_num_batched_tokens must be a multiple of C. "
+        "0: off. None: 0 on CUDA and on the CPU. Part of the runtime fingerprint when > 0")
     dvr_decode_attention: DvrDecodeAttention = _option(
         DvrDecodeAttention.AUTO, "attention of DVR rows in a decode step: canonical / canonical_step / "
         "canonical_step_short / split (DvrDecodeAttention); auto: canonical_step_short on CUDA, split on the CPU")
@@ -288,6 +298,8 @@ class DvrTuning:
             object.__setattr__(self, name, None if value is None else _choice(kind, value, f"tuning.{name}"))
         _check(_int_at_least(self.canonical_prefill_min_tokens, 1), "tuning.canonical_prefill_min_tokens",
                f"must be >= 1, got {self.canonical_prefill_min_tokens}")
+        _check(_int_at_least(self.canonical_prefill_chunk_tokens, 0), "tuning.canonical_prefill_chunk_tokens",
+               f"must be an int >= 0 (0: off) or None, got {self.canonical_prefill_chunk_tokens!r}")
         _check(_int_at_least(self.dvr_lookahead, 0), "tuning.dvr_lookahead", f"must be >= 0, got {self.dvr_lookahead}")
         for name in ("overlap", "verify_early_decode", "chained_verify"):
             _check(getattr(self, name) in (None, True, False), f"tuning.{name}",
@@ -486,6 +498,12 @@ class EngineConfig:
             # CUDA: the passes a plain prefill of fast prompts would fill under load; a lone prompt pays for one
             prefill_min = min(DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS, budget) if on_cuda \
                 else CPU_CANONICAL_PREFILL_MIN_TOKENS
+        chunk = t.canonical_prefill_chunk_tokens
+        if chunk is None:
+            chunk = DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS if on_cuda else CPU_CANONICAL_PREFILL_CHUNK_TOKENS
+        _check(chunk == 0 or budget % chunk == 0, "tuning.canonical_prefill_chunk_tokens",
+               f"max_num_batched_tokens = {budget} must be a multiple of it (a canonical pass is a whole number of "
+               f"{chunk}-token GEMM chunks and at most the budget), got {chunk}")
         decode_attention = t.dvr_decode_attention
         if decode_attention == DvrDecodeAttention.AUTO:
             decode_attention = DvrDecodeAttention.CANONICAL_STEP_SHORT if on_cuda else DvrDecodeAttention.SPLIT
@@ -527,7 +545,8 @@ class EngineConfig:
                f"nccl past 2 ranks sums in an order that follows the message size, so mode batch_invariant needs "
                f"gather_sum at tensor_parallel_size {self.tensor_parallel_size}")
         tuning = DvrTuning(
-            canonical_prefill_min_tokens=prefill_min, dvr_decode_attention=decode_attention, dvr_lookahead=lookahead,
+            canonical_prefill_min_tokens=prefill_min, canonical_prefill_chunk_tokens=chunk,
+            dvr_decode_attention=decode_attention, dvr_lookahead=lookahead,
             overlap=on_cuda if t.overlap is None else t.overlap,
             verify_early_decode=on_cuda if t.verify_early_decode is None else t.verify_early_decode,
             chained_verify=on_cuda if t.chained_verify is None else t.chained_verify,

@@ -68,7 +68,8 @@ def _triton_version() -> str:
 def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
     """JSON-safe dict of the runtime fields of a resolved config (EngineConfig.resolve); the same machine,
     software and config give the same dict."""
-    if config.max_num_batched_tokens is None or config.tuning.canonical_prefill_min_tokens is None:
+    if config.max_num_batched_tokens is None or config.tuning.canonical_prefill_min_tokens is None \
+            or config.tuning.canonical_prefill_chunk_tokens is None:
         raise ValueError("runtime_fingerprint: the config must be resolved (EngineConfig.resolve)")
     device = config.torch_device
     fp: dict[str, str | int] = {
@@ -81,10 +82,7 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "window": config.window,
         "group": config.group,
         "kv_block_size": config.block_size,
-        "canonical_prefill_min_tokens": config.tuning.canonical_prefill_min_tokens,
-        # the canonical pass size is capped by the prefill budget, and its logits GEMM has a fixed row count:
-        # both shape a deterministic prompt's first token
-        "canonical_prefill_max_tokens": config.max_num_batched_tokens,
+        # the canonical pass's logits GEMM has a fixed row count: it shapes a deterministic prompt's first token
         "canonical_prefill_rows": CANONICAL_PREFILL_ROWS,
         "sampler": SAMPLER_ID,
         "sampler_impl": sampler_impl(device),
@@ -93,6 +91,12 @@ def runtime_fingerprint(config: EngineConfig) -> dict[str, str | int]:
         "grammar": GRAMMAR_LIBRARY,
         "dtype": str(config.torch_dtype).removeprefix("torch."),
     }
+    chunk = config.tuning.canonical_prefill_chunk_tokens
+    if chunk:  # every GEMM of a canonical pass has C rows: the pass size (min, budget cap) shapes no bit
+        fp["canonical_prefill_chunk_tokens"] = chunk
+    else:  # the canonical pass size (the GEMMs' M): its smallest value and its cap, the prefill budget
+        fp["canonical_prefill_min_tokens"] = config.tuning.canonical_prefill_min_tokens
+        fp["canonical_prefill_max_tokens"] = config.max_num_batched_tokens
     if config.tensor_parallel_size > 1:  # every GEMM's shape per rank and the all-reduce's order
         from engine.parallel import reduction_id
 

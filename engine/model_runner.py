@@ -119,6 +119,10 @@ class ModelRunner:
         # the attention kernels run under config.kernels, the settings the runtime fingerprint names
         bi = config.mode == Mode.BATCH_INVARIANT
         self.model = batch_invariant(model, config.kernels) if bi else with_kernels(model, config.kernels)
+        # canonical prefill passes' body (DvrTuning.canonical_prefill_chunk_tokens > 0): GEMMs of C rows each;
+        # mode batch_invariant's GEMMs are invariant to their row count already
+        chunk = config.tuning.canonical_prefill_chunk_tokens
+        self.canonical_model = chunked_gemms(self.model, chunk) if chunk and not bi else self.model
         self.shape = shape
         self.device = device
         self.tp = tp
@@ -160,6 +164,8 @@ class ModelRunner:
         pass_tokens: a canonical pass — dummy rows (<= DUMMY_PREFILL_ROW tokens each, K/V to the scratch
         block, keys from the zero block) pad it to exactly that many tokens, and the logits GEMM runs on
         exactly CANONICAL_PREFILL_ROWS rows, so a row's bits depend only on its tokens and these two sizes.
+        With canonical_prefill_chunk_tokens = C > 0, pass_tokens is a multiple of C and the body's GEMMs run on
+        C-row slices (`canonical_model`): a row's bits then depend on its tokens and C, not on pass_tokens.
         """
         if pass_tokens is None:
             hidden, meta = self._forward(PassKind.PREFILL, rows, pad_to=None)
@@ -170,10 +176,11 @@ class ModelRunner:
             assert len(rows) <= CANONICAL_PREFILL_ROWS, (len(rows), CANONICAL_PREFILL_ROWS)
             lay = self._layout(rows, pad_to=None)
             real = len(lay.ids)
-            assert real <= pass_tokens, (real, pass_tokens)
+            chunk = self.config.tuning.canonical_prefill_chunk_tokens
+            assert real <= pass_tokens and (not chunk or pass_tokens % chunk == 0), (real, pass_tokens, chunk)
             lay = _pad_rows(lay, pass_tokens - real, DUMMY_PREFILL_ROW, self.config.block_size)
             input_ids, positions, meta = self._to_device(PassKind.PREFILL, lay, None)
-            hidden = self.model(input_ids, positions, meta, self.kv)
+            hidden = self.canonical_model(input_ids, positions, meta, self.kv)
             last = np.zeros(CANONICAL_PREFILL_ROWS, np.int64)
             last[: len(rows)] = lay.query_start_loc[1: len(rows) + 1] - 1
             starts = lay.query_start_loc[: len(rows)].tolist()
@@ -502,6 +509,17 @@ def batch_invariant(model: PagedModel, kernels: KernelSettings) -> PagedModel:
     if not isinstance(model, LlamaForCausalLM):
         raise ValueError(f"EngineConfig.mode: batch_invariant needs an engine.models model, got {type(model).__name__}")
     return batch_invariant_view(model, kernels)
+
+
+def chunked_gemms(model: PagedModel, rows: int) -> PagedModel:
+    """An engine.models model whose GEMMs run on `rows`-row slices (ChunkedOps over its ops, a weight-sharing
+    view); any other PagedModel (a test double) runs as it is."""
+    from engine.kernels import ChunkedOps
+    from engine.models import LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        return model
+    return model.with_numerics(ChunkedOps(model.ops, rows), model.attention)
 
 
 def with_kernels(model: PagedModel, kernels: KernelSettings) -> PagedModel:

@@ -4,7 +4,10 @@ Policy per step (first that applies):
 1. PREFILL the head of the waiting queue: a canonical pass (fixed size) when the head is a DVR or replay
    prompt, or when a plain pass would reach one whose canonical pass is as large as a plain pass (or holds
    the prompts before it and it), or would leave prompts over while a full-size one waits further back
-   (non-deterministic prompts ride along in all three); else a run of consecutive non-deterministic prompts batched under the token budget.
+   (non-deterministic prompts ride along in all three); else a run of consecutive non-deterministic prompts
+   batched under the token budget. With chunked canonical GEMMs (canonical_prefill_chunk_tokens = C > 0)
+   every DVR / replay prompt counts as full size and a canonical pass takes the size of its content,
+   rounded up to a multiple of C.
 2. VERIFY when >= G windows are ready (a row that ran ahead holds several: they share one pass), or
    nothing can decode, or a ready row that can no longer decode waited W steps (W + dvr_lookahead for any
    ready row), or — verify cadence, while at most verify_cadence_max_rows sequences run — a DVR row took
@@ -396,7 +399,10 @@ class Scheduler:
 
         the rest of the pass is dummy tokens. A row's bits depend only on its own tokens and P (every GEMM
         has M = P, the logits GEMM M = the row cap), so a prompt prefilled here, alone or packed, later or
-        in a replay, gives the same bits."""
+        in a replay, gives the same bits.
+        Chunked (canonical_prefill_chunk_tokens = C > 0): every GEMM has M = C whatever the pass size, so every
+        DVR / replay prompt has P = max_num_batched_tokens (all of them share phase 2) and the pass, filled
+        the same way, shrinks to the tokens it holds rounded up to a multiple of C."""
         pass_tokens = canonical_prefill_tokens(self.config, prefill_len(anchor))
         waiting = list(self.waiting)
         head = waiting[: waiting.index(anchor) + 1] if in_reach else waiting[:1]
@@ -420,6 +426,9 @@ class Scheduler:
             self.waiting.remove(seq)
             items.append(item)
             budget -= n
+        chunk = self.config.tuning.canonical_prefill_chunk_tokens
+        if chunk:  # the pass follows its content: the tokens used, up to a whole number of GEMM chunks
+            pass_tokens = -(-(pass_tokens - budget) // chunk) * chunk
         return Plan(StepKind.PREFILL, prefill=items, pass_tokens=pass_tokens) if items else None
 
     def _admit(self, seq: Sequence, item: PrefillItem) -> bool:
@@ -502,7 +511,11 @@ CANONICAL_PREFILL_ROWS = 64  # prompts per canonical prefill pass; its logits GE
 def canonical_prefill_tokens(config: EngineConfig, prompt_len: int) -> int:
     """The canonical prefill pass size of a DVR / replay prompt: a function of its length and the config
     only — max(canonical_prefill_min_tokens, next power of two >= prompt_len), at most
-    max_num_batched_tokens (which bounds prompt lengths, so the prompt always fits)."""
+    max_num_batched_tokens (which bounds prompt lengths, so the prompt always fits). Chunked
+    (canonical_prefill_chunk_tokens > 0): max_num_batched_tokens for every prompt, the largest pass a prompt
+    can share (the planned pass is then cut to its content, `_plan_canonical_prefill`)."""
+    if config.tuning.canonical_prefill_chunk_tokens:
+        return config.max_num_batched_tokens
     pow2 = 1 << max(0, prompt_len - 1).bit_length()
     return min(max(config.tuning.canonical_prefill_min_tokens, pow2), config.max_num_batched_tokens)
 

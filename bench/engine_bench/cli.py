@@ -149,6 +149,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="DvrTuning.canonical_prefill_min_tokens for every engine of the run (the smallest "
                         "canonical prefill pass of a deterministic prompt; another value, other committed "
                         "bits); default: the engine's")
+    p.add_argument("--canonical-prefill-chunk-tokens", type=int, default=None,
+                   help="DvrTuning.canonical_prefill_chunk_tokens for every engine of the run (C > 0: every GEMM "
+                        "of a canonical prefill pass runs on C rows and the pass takes the size of its content, "
+                        "rounded up to a multiple of C; 0 = off; another value, other committed bits); default: "
+                        "the engine's")
     p.add_argument("--verify-early-decode", choices=["on", "off"], default=None,
                    help="DvrTuning.verify_early_decode for every engine of the run (a verify pass launches the "
                         "next decode step before reading its samples); default: the engine's (on for CUDA)")
@@ -279,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                                              else args.verify_decode_rows),
                       "attention_kernel": kernels.kernel_id(),
                       "canonical_prefill_min_tokens": args.canonical_prefill_min_tokens,  # None: the engine's
+                      "canonical_prefill_chunk_tokens": args.canonical_prefill_chunk_tokens,  # None: the engine's
                       "modes": args.modes or "all", "window": args.window,
                       "verify_early_decode": args.verify_early_decode or "engine default (on)",
                       "chained_verify": args.chained_verify or "engine default",

@@ -200,6 +200,7 @@ def engine_config(ctx: Ctx, graphs: bool = True, **kw: Any) -> Any:
         kw.setdefault("attention_backend", "triton")
     kw.setdefault("verify_decode_rows", ctx.args.verify_decode_rows)  # None: the engine's default (0 off dvr)
     kw.setdefault("canonical_prefill_min_tokens", ctx.args.canonical_prefill_min_tokens)  # None: the engine's
+    kw.setdefault("canonical_prefill_chunk_tokens", ctx.args.canonical_prefill_chunk_tokens)  # None: the engine's
     if ctx.args.verify_early_decode is not None:
         kw.setdefault("verify_early_decode", ctx.args.verify_early_decode == "on")
     if ctx.args.chained_verify is not None:

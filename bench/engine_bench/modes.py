@@ -65,6 +65,7 @@ def _run_modes(ctx: Ctx, make_llm: Callable[[str, float], Any], prompts: list[li
                        "dvr_lookahead": llm.config.tuning.dvr_lookahead, "overlap": llm.config.tuning.overlap,
                        "warmup_tokens_per_request": WARMUP_TOKENS,
                        "canonical_prefill_min_tokens": llm.config.tuning.canonical_prefill_min_tokens,
+                       "canonical_prefill_chunk_tokens": llm.config.tuning.canonical_prefill_chunk_tokens,
                        "deterministic_share": share, "deterministic_requests": len(det_ids),
                        "repeats": len(runs), "runs_seconds": [r["seconds"] for r in runs],
                        **run}

@@ -8,6 +8,7 @@ from engine.kernels.attention import DEFAULT_SPLIT_SIZE, bi_paged_attention, que
 from engine.kernels.ops import (
     TORCH_OPS,
     BatchInvariantOps,
+    ChunkedOps,
     Ops,
     TorchOps,
     bi_log_softmax,
@@ -21,6 +22,7 @@ __all__ = [
     "DEFAULT_SPLIT_SIZE",
     "TORCH_OPS",
     "BatchInvariantOps",
+    "ChunkedOps",
     "Ops",
     "TorchOps",
     "bi_log_softmax",

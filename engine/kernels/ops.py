@@ -238,6 +238,56 @@ class BatchInvariantOps(_FusedRowOps):
         return triton_log_softmax(x)
 
 
+class ChunkedOps:
+    """`inner` with every GEMM run on slices of exactly `rows` rows (DvrTuning.canonical_prefill_chunk_tokens):
+    the ops of a chunked canonical prefill pass, whose token count is a multiple of `rows`. A torch GEMM's bits
+    depend on its M (cuBLAS and the CPU BLAS pick their kernels and splits by shape); with M = `rows` whatever
+    the pass size, a row's bits depend only on its own inputs. Every other op (the optional ones too) is
+    `inner`'s: row-wise, the same bits in a pass of any size."""
+
+    def __init__(self, inner: Ops, rows: int) -> None:
+        if rows < 1:
+            raise ValueError(f"ChunkedOps: rows must be >= 1, got {rows}")
+        self.inner, self.chunk_rows = inner, rows
+        self.name = f"{inner.name}-chunked{rows}"
+
+    def __getattr__(self, name: str) -> object:
+        """The optional Ops methods (rope_write_kv, triton_rope) where `inner` has them."""
+        if name == "inner":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] @ weight [N, K].T (+ bias) -> [..., N]: one GEMM per `rows`-row slice of the flattened x
+        (the last slice shorter when the row count is not a multiple), each written into its rows of one
+        output; the bias is added afterwards, element-wise."""
+        flat = x.reshape(-1, x.shape[-1])                      # [T, K]
+        out = flat.new_empty(flat.shape[0], weight.shape[0])   # [T, N]
+        w_t = weight.t()                                       # [K, N] view
+        for start in range(0, flat.shape[0], self.chunk_rows):
+            end = start + self.chunk_rows
+            torch.mm(flat[start:end], w_t, out=out[start:end])
+        if bias is not None:
+            out += bias
+        return out.reshape(*x.shape[:-1], weight.shape[0])
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return self.inner.rms_norm(x, weight, eps)
+
+    def log_softmax(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner.log_softmax(x)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.inner.silu_mul(gate, up)
+
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.add_rms_norm(x, residual, weight, eps)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inner.rope(q, k, cos_sin)
+
+
 def bi_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K].T -> [M, N], batch invariant (Triton on CUDA, fixed tiles on CPU)."""
     return BatchInvariantOps().linear(x, w)

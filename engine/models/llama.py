@@ -44,10 +44,17 @@ def _linear(ops: Ops, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _row_linear(ops: Ops, layer: nn.Linear, x: torch.Tensor, tp: TensorParallel | None) -> torch.Tensor:
-    """A row-parallel projection: this rank's partial sums, reduced over the ranks, then the bias once."""
+    """A row-parallel projection: this rank's partial sums, reduced over the ranks, then the bias once.
+    Under chunked ops (ChunkedOps, a chunked canonical prefill pass) the local GEMM runs in its C-row slices;
+    NCCL past two ranks also reduces slice by slice, its summation order following the message size."""
     if tp is None:
         return ops.linear(x, layer.weight, layer.bias)
-    out = tp.all_reduce(ops.linear(x, layer.weight, None))
+    partial = ops.linear(x, layer.weight, None)  # [T, H], this rank's partial sums
+    chunk = getattr(ops, "chunk_rows", None)
+    if chunk is None or tp.reduction != "nccl" or tp.size <= 2 or partial.shape[0] <= chunk:
+        out = tp.all_reduce(partial)
+    else:
+        out = torch.cat([tp.all_reduce(partial[i: i + chunk]) for i in range(0, partial.shape[0], chunk)])
     return out if layer.bias is None else out + layer.bias
 
 

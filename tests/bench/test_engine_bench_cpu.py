@@ -77,6 +77,12 @@ def test_parse_args_defaults() -> None:
                         "--modes", "nondeterministic,dvr_100pct"])
     assert (ab.canonical_prefill_min_tokens, ab.verify_early_decode, ab.window) == (2048, "on", 16)
     assert ab.modes == ["nondeterministic", "dvr_100pct"]
+    # --canonical-prefill-chunk-tokens: unset = the engine's; a value reaches every engine's DvrTuning
+    assert args.canonical_prefill_chunk_tokens is None
+    chunked = cli.parse_args(["--canonical-prefill-chunk-tokens", "256"])
+    assert chunked.canonical_prefill_chunk_tokens == 256
+    ctx = common.Ctx(args=chunked, device=torch.device("cpu"), result={}, out_dir=Path("."), name="r")
+    assert common.engine_config(ctx).tuning.canonical_prefill_chunk_tokens == 256
     assert args.chained_verify is None and cli.parse_args(["--chained-verify", "on"]).chained_verify == "on"
     with pytest.raises(SystemExit):
         cli.parse_args(["--sections", "nope"])
