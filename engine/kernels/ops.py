@@ -24,6 +24,10 @@ elementwise kernels, and row-wise, so batch invariant as a bonus); on the CPU it
 `rope_write_kv` (see Ops): RoPE that writes K and V into the paged KV cache itself, saving the two
 index_copy_ launches of write_kv per layer.
 
+ChunkedOps wraps either (the model runner wraps TorchOps, in a weight-sharing model view, for the body of a
+canonical prefill pass when DvrTuning.canonical_prefill_chunk_tokens = C > 0): every GEMM runs on C-row slices
+of its input, so its M is C whatever the pass size; every other op is the wrapped object's.
+
 BatchInvariantOps on CUDA: the Triton GEMM of triton_matmul (no split-K, tile shape by batch bucket, its
 bits checked shape-independent), triton_fused's row kernels (batch invariant by construction) and
 triton_rows' log-softmax; on the CPU the fixed-shape torch tiles.
