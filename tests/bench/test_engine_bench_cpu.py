@@ -82,7 +82,7 @@ def test_parse_args_defaults() -> None:
     chunked = cli.parse_args(["--canonical-prefill-chunk-tokens", "256"])
     assert chunked.canonical_prefill_chunk_tokens == 256
     ctx = common.Ctx(args=chunked, device=torch.device("cpu"), result={}, out_dir=Path("."), name="r")
-    assert common.engine_config(ctx).tuning.canonical_prefill_chunk_tokens == 256
+    assert common.engine_config(ctx, device="cuda").tuning.canonical_prefill_chunk_tokens == 256
     assert args.chained_verify is None and cli.parse_args(["--chained-verify", "on"]).chained_verify == "on"
     with pytest.raises(SystemExit):
         cli.parse_args(["--sections", "nope"])

@@ -52,7 +52,8 @@ def test_resolved_cpu_defaults() -> None:
             c.max_model_len, c.cuda_graphs, c.tensor_parallel_size) == (32, 8, 16, 514, 32, 4096, 8192, False, 1)
     assert c.kernels == KernelSettings(query_tile=16, chunk=256, prefill_pass_tile=16)
     assert c.tuning == DvrTuning(
-        canonical_prefill_min_tokens=64, dvr_decode_attention="split", dvr_lookahead=31, overlap=False,
+        canonical_prefill_min_tokens=64, canonical_prefill_chunk_tokens=0, dvr_decode_attention="split",
+        dvr_lookahead=31, overlap=False,
         verify_early_decode=False, chained_verify=False, decode_cublaslt_min_rows=0, verify_decode_rows=0,
         verify_packing="padded", verify_max_windows=8, verify_trigger="windows", verify_cadence_steps=20,
         verify_cadence_max_rows=8)
@@ -68,7 +69,8 @@ def test_resolved_cuda_defaults() -> None:
         "cuda", "bfloat16", "triton", True, 8192)
     assert (c.num_kv_blocks, c.max_num_seqs) == (64 * CUDA_SEQ_SIZING_TOKENS // 16 + 2, 64)
     assert c.tuning == DvrTuning(
-        canonical_prefill_min_tokens=2048, dvr_decode_attention="canonical_step_short", dvr_lookahead=7 * 32,
+        canonical_prefill_min_tokens=2048, canonical_prefill_chunk_tokens=0,
+        dvr_decode_attention="canonical_step_short", dvr_lookahead=7 * 32,
         overlap=True, verify_early_decode=True, chained_verify=True, decode_cublaslt_min_rows=32,
         verify_decode_rows=64, verify_packing="packed", verify_max_windows=16, verify_trigger="tokens",
         verify_cadence_steps=8, verify_cadence_max_rows=8)
