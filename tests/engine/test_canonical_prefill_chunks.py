@@ -230,3 +230,34 @@ def test_deterministic_outputs_alone_equal_those_packed_with_fast_prompts(make_r
     mixed = llm.generate([list(tok.encode("word " * 40))] + prompts, [fast] + det)
     assert len(passes) == 1 and passes[0] > C and passes[0] % C == 0
     assert_same(mixed[1:], alone)
+
+
+# ---- tensor parallelism: the row-parallel projection ------------------------------------------------------
+class _Ranks:
+    """A stand-in TensorParallel: records the rows of every all-reduce, sums nothing (one rank's sums)."""
+
+    def __init__(self, reduction: str, size: int) -> None:
+        self.reduction, self.size, self.reduced = reduction, size, []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        self.reduced.append(x.shape[0])
+        return x
+
+
+@pytest.mark.parametrize("reduction,size,reduced", [("gather_sum", 4, [3 * C]), ("nccl", 2, [3 * C]),
+                                                     ("nccl", 4, [C, C, C])])
+def test_row_parallel_projection_chunks_the_local_gemm(reduction: str, size: int, reduced: list[int]) -> None:
+    """Under chunked ops the local GEMM runs in C-row slices; NCCL past two ranks, whose summation order
+    follows the message size, reduces slice by slice too, the element-wise gather_sum the whole pass."""
+    from engine.models.llama import _row_linear
+
+    layer = torch.nn.Linear(40, 24).requires_grad_(False)  # a model's weights, as materialize leaves them
+    x = torch.randn(3 * C, 40)
+    ranks = _Ranks(reduction, size)
+    out = _row_linear(ChunkedOps(TORCH_OPS, C), layer, x, ranks)  # type: ignore[arg-type]
+    assert ranks.reduced == reduced
+    expected = torch.cat([torch.mm(x[i: i + C], layer.weight.t()) for i in range(0, 3 * C, C)]) + layer.bias
+    assert torch.equal(out, expected)
+    ranks = _Ranks(reduction, size)
+    _row_linear(TORCH_OPS, layer, x, ranks)  # type: ignore[arg-type]
+    assert ranks.reduced == [3 * C]

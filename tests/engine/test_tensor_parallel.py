@@ -190,3 +190,17 @@ def test_tp2_second_engine_gives_the_same_bits(tp2_llm: LLM, workload: Any, tp2_
     tp2_llm.close()
     with LLM(EngineConfig(**{**TP2, "max_num_seqs": 5})) as llm:
         assert_same(staggered(llm, prompts, params, every=1, seed=8), tp2_reference)
+
+
+def test_tp2_chunked_canonical_prefill_bits_equal_alone_and_packed(tp2_llm: LLM, workload: Any) -> None:
+    """Chunked canonical GEMMs (canonical_prefill_chunk_tokens = 32) at two ranks: each prompt alone in a
+    32-token pass, and all of them in one pass behind a non-deterministic prompt, give the same bits. It needs
+    a process without another tensor-parallel engine, so it closes the module's and comes last."""
+    prompts, params = workload
+    tp2_llm.close()
+    with LLM(EngineConfig(**TP2, tuning={"canonical_prefill_chunk_tokens": 32})) as llm:
+        assert runtime_fingerprint(llm.core.runner.config)["canonical_prefill_chunk_tokens"] == 32
+        alone = one_at_a_time(llm, prompts, params)
+        mixed = llm.generate([prompts[0] * 4] + prompts, [fast_params(seed=1, max_tokens=2)] + params)
+        assert llm.core.totals.prefill_passes == len(prompts) + 1
+        assert_same(mixed[1:], alone)
