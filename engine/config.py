@@ -286,7 +286,7 @@ class DvrTuning:
     verify_cadence_steps: int | None = _option(
         None, "k: while at most verify_cadence_max_rows sequences run, a verify pass is also due once a "
         "deterministic row took k candidates since its last commit (or can take no more), and each pass takes "
-        "every deterministic row's unfinished window too. 0: off. None: 12 on CUDA, 20 on the CPU")
+        "every deterministic row's unfinished window too. 0: off. None: 8 on CUDA, 20 on the CPU")
     verify_cadence_max_rows: int | None = _option(
         None, "the largest running batch (sequences of any kind) at which verify_cadence_steps applies. None: G")
 
