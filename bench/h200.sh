@@ -39,6 +39,9 @@
 #   stream      the verify cadence (issue 26): one stream alone and 8 at once, 256 tokens, deterministic at
 #               STREAM_CADENCES (default 0,8,12,16) against non-deterministic, the synthetic 8B and SmolLM2:
 #               bench/stream_bench.py             -> stream-bench-8b.json / .png, stream-bench-smollm2.json / .png
+#   chunks      chunked canonical prefill GEMMs at CHUNK (256) rows on the synthetic 8B: its gpu test, one stream
+#               and 8 through the engine, the mode comparison on the ShareGPT-like mixes
+#                      -> gpu-pytest-chunks.txt, stream-bench-8b-chunk256.json, gpu-bench-modes-mixes-chunk256.json
 #   schema      25 % of the requests under a JSON schema against the same mix without: SmolLM2, then the
 #               synthetic 8B (bench/schema_mix_bench.py; SCHEMA_MODELS picks some of "smollm2 8b")
 #                                                           -> schema-mix-smollm2.json, schema-mix-8b.json
@@ -214,6 +217,21 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   tar czf "$OUT/serve-profiles.tgz" -C "$OUT" prof serve-top.txt serve-threads.txt py-spy.log 2>/dev/null \
     && rm -rf "$OUT/prof" "$OUT/serve-top.txt" "$OUT/serve-threads.txt"
   grep -v Warn "$OUT/serve-bench-profiled.log" | tail -20
+}
+
+stage_chunks() {  # issue 26: chunked canonical prefill GEMMs (canonical_prefill_chunk_tokens = CHUNK, 256) on the
+  # synthetic 8B: its gpu test, one stream and 8 through the engine at the default cadence, and the mode comparison
+  # on the two ShareGPT-like mixes (at most 90 + 200 + 280 s)
+  local c=${CHUNK:-256}
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/engine/test_gpu_canonical_prefill_chunks.py \
+    2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-chunks.txt" | tail -6
+  timeout 200 python3 bench/stream_bench.py --device cuda --model synthetic:llama-3.1-8b --max-tokens 256 \
+    --cadences 8 --concurrency 1,8 --repeats 3 --engine-option "tuning={\"canonical_prefill_chunk_tokens\": $c}" \
+    --out "$OUT" --name "stream-bench-8b-chunk$c" 2>&1 | grep -v Warn | tail -8
+  timeout 280 python3 -m bench engine --sections compare_modes_synthetic --synthetic-sets sharegpt,sharegpt-896x640 \
+    --modes nondeterministic,dvr_10pct,dvr_100pct --canonical-prefill-chunk-tokens "$c" --deadline-s 270 \
+    --out "$OUT" --name "gpu-bench-modes-mixes-chunk$c" 2>&1 | grep -v Warn | tail -12
+  return 0
 }
 
 stage_schema() {  # at most 200 + 380 s; SCHEMA_MODELS picks some of "smollm2 8b"

@@ -283,7 +283,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "verify_packing": cfg.tuning.verify_packing.value, "overlap": cfg.tuning.overlap,
                       "dvr_lookahead": cfg.tuning.dvr_lookahead,
                       "verify_cadence_max_rows": cfg.tuning.verify_cadence_max_rows,
-                      "default_verify_cadence_steps": default_cadence},
+                      "default_verify_cadence_steps": default_cadence,
+                      "canonical_prefill_min_tokens": cfg.tuning.canonical_prefill_min_tokens,
+                      "canonical_prefill_chunk_tokens": cfg.tuning.canonical_prefill_chunk_tokens,
+                      "engine_options": engine_options(args.engine_option)},
            "settings": result["settings"], "ratios_to_nondeterministic": ratios(result["settings"]),
            "single_streams": result["single_streams"]}
     path = write_result(doc, args.out, args.name)
