@@ -36,15 +36,17 @@ DEFAULT_CUDA_MAX_NUM_BATCHED_TOKENS = 8192
 # slots per sequence the budget must hold for that many; a smaller budget gets proportionally fewer sequences
 DEFAULT_CUDA_MAX_NUM_SEQS = 256
 CUDA_SEQ_SIZING_TOKENS = 1024
-# the smallest canonical prefill pass: short deterministic prompts pack into passes of this many tokens. A lone
-# short prompt pays for the whole pass (on the 8B its first token comes about 30 ms later than a plain prefill's);
-# 256 removes that, but a burst of deterministic prompts then takes many small passes: on the 8B's short mix at
-# dvr 100 % that is 0.72x of non-deterministic against 0.88x with 2048 (docs/performance.md, H100)
+# the smallest canonical prefill pass where canonical_prefill_chunk_tokens is 0: short deterministic prompts pack
+# into passes of this many tokens. A lone short prompt pays for the whole pass (on the 8B its first token comes
+# about 30 ms later than a plain prefill's); 256 removes that, but a burst of deterministic prompts then takes many
+# small passes: on the 8B's short mix at dvr 100 % that is 0.72x of non-deterministic against 0.88x with 2048
+# (docs/performance.md, H100). Chunked passes (below) remove it without the small passes.
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 CPU_CANONICAL_PREFILL_MIN_TOKENS = 64
-# rows of every GEMM of a chunked canonical prefill pass (DvrTuning.canonical_prefill_chunk_tokens; 0: off): set
-# by measurement on the GPU
-DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS = 0
+# rows of every GEMM of a chunked canonical prefill pass (DvrTuning.canonical_prefill_chunk_tokens; 0: off). On the
+# 8B (H100, bench/results/2026-12-07-h100) 512 brings a lone deterministic prompt's first token from 3.2x to 1.1x of
+# a plain one's and costs the ShareGPT-like mixes under 0.01 at dvr 10 % and 100 %; 256 costs them 0.02-0.05
+DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS = 512
 CPU_CANONICAL_PREFILL_CHUNK_TOKENS = 0
 # decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt (CUDA graphs on): it is
 # faster at batch 64 and slower at batch 1 (bench/step_probe.py measures the cut)
@@ -251,7 +253,8 @@ class DvrTuning:
         "slices), so a DVR / replay prompt's bits depend on its tokens and C only; its pass then holds any "
         "deterministic prompts that fit, dummy-padded to the next multiple of C (a lone short prompt: C tokens), "
         "instead of max(canonical_prefill_min_tokens, ...). max_num_batched_tokens must be a multiple of C. "
-        "0: off. None: 0 on CUDA and on the CPU. Part of the runtime fingerprint when > 0")
+        "0: off. None: 512 on CUDA (0 where max_num_batched_tokens is not a multiple of 512), 0 on the CPU. Part "
+        "of the runtime fingerprint when > 0")
     dvr_decode_attention: DvrDecodeAttention = _option(
         DvrDecodeAttention.AUTO, "attention of DVR rows in a decode step: canonical / canonical_step / "
         "canonical_step_short / split (DvrDecodeAttention); auto: canonical_step_short on CUDA, split on the CPU")
@@ -501,6 +504,8 @@ class EngineConfig:
         chunk = t.canonical_prefill_chunk_tokens
         if chunk is None:
             chunk = DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS if on_cuda else CPU_CANONICAL_PREFILL_CHUNK_TOKENS
+            if chunk and budget % chunk:  # a budget set by hand that is no whole number of chunks: unchunked passes
+                chunk = 0
         _check(chunk == 0 or budget % chunk == 0, "tuning.canonical_prefill_chunk_tokens",
                f"max_num_batched_tokens = {budget} must be a multiple of it (a canonical pass is a whole number of "
                f"{chunk}-token GEMM chunks and at most the budget), got {chunk}")

@@ -37,8 +37,12 @@ def test_cuda_default_pass_is_2048_tokens_at_most_the_budget() -> None:
     assert resolved(device="cuda", max_num_batched_tokens=1024).tuning.canonical_prefill_min_tokens == 1024
     assert resolved(device="cuda", max_num_batched_tokens=8192,
                     tuning=DvrTuning(canonical_prefill_min_tokens=8192)).tuning.canonical_prefill_min_tokens == 8192
-    cfg = resolved(device="cuda", max_num_batched_tokens=8192, tuning=DvrTuning(canonical_prefill_min_tokens=2048))
+    cfg = resolved(device="cuda", max_num_batched_tokens=8192,
+                   tuning=DvrTuning(canonical_prefill_min_tokens=2048, canonical_prefill_chunk_tokens=0))
     assert [canonical_prefill_tokens(cfg, n) for n in (1, 2048, 2049, 4097, 8192)] == [2048, 2048, 4096, 8192, 8192]
+    # with CUDA's default chunked GEMMs every prompt counts as full size (the pass is cut to its content later)
+    chunked = resolved(device="cuda", max_num_batched_tokens=8192)
+    assert [canonical_prefill_tokens(chunked, n) for n in (1, 2048, 8192)] == [8192, 8192, 8192]
 
 
 def test_runner_pads_the_pass_and_the_logits_gemm() -> None:

@@ -31,10 +31,14 @@ def _chunked(**fields: Any) -> EngineConfig:
 
 
 # ---- config and fingerprint ------------------------------------------------------------------------
-def test_chunk_defaults_to_off_on_every_device() -> None:
-    assert DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS == 0
+def test_chunk_defaults_to_512_on_cuda_and_off_on_the_cpu() -> None:
+    assert DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS == 512
     assert resolved(device="cpu").tuning.canonical_prefill_chunk_tokens == 0
-    assert resolved(device="cuda").tuning.canonical_prefill_chunk_tokens == 0
+    assert resolved(device="cuda").tuning.canonical_prefill_chunk_tokens == 512
+    assert resolved(device="cuda", max_num_batched_tokens=4096).tuning.canonical_prefill_chunk_tokens == 512
+    # a budget set by hand that is no whole number of 512-token chunks keeps unchunked passes, and no error
+    assert resolved(device="cuda", max_num_batched_tokens=1000).tuning.canonical_prefill_chunk_tokens == 0
+    assert resolved(device="cuda", max_num_batched_tokens=256).tuning.canonical_prefill_chunk_tokens == 0
     assert _chunked(max_num_batched_tokens=256).tuning.canonical_prefill_chunk_tokens == C
     assert EngineConfig.from_options({"tuning": {"canonical_prefill_chunk_tokens": 64}}) \
         .tuning.canonical_prefill_chunk_tokens == 64

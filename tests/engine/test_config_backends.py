@@ -69,7 +69,7 @@ def test_resolved_cuda_defaults() -> None:
         "cuda", "bfloat16", "triton", True, 8192)
     assert (c.num_kv_blocks, c.max_num_seqs) == (64 * CUDA_SEQ_SIZING_TOKENS // 16 + 2, 64)
     assert c.tuning == DvrTuning(
-        canonical_prefill_min_tokens=2048, canonical_prefill_chunk_tokens=0,
+        canonical_prefill_min_tokens=2048, canonical_prefill_chunk_tokens=512,
         dvr_decode_attention="canonical_step_short", dvr_lookahead=7 * 32,
         overlap=True, verify_early_decode=True, chained_verify=True, decode_cublaslt_min_rows=32,
         verify_decode_rows=64, verify_packing="packed", verify_max_windows=16, verify_trigger="tokens",
