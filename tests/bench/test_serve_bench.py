@@ -121,6 +121,45 @@ def test_a_chunks_gap_is_spread_over_its_tokens() -> None:
     assert stream["token_arrival_s"] == [0.5, 1.1, 1.1, 1.1] and stream["max_chunk_gap_s"] == pytest.approx(0.6)
 
 
+def _stream(t_send: float, chunks: list[list[float]]) -> dict:
+    return sb.stream_stats({"t_send": t_send, "t_end": chunks[-1][0], "chunks": chunks})
+
+
+def test_the_decode_step_is_the_mean_gap_of_plain_streams_even_when_their_chunks_arrive_bunched() -> None:
+    """Eight plain streams of 1 ms steps whose chunks reach the client in bunches (most gaps ~0, every fourth
+    ~4 ms): the step is 1 ms, not the median gap, and a deterministic stream's 10 ms gaps are 10 steps."""
+    plain = []
+    for k in range(8):
+        times, t = [], 0.0
+        for i in range(41):
+            t += 0.004 if i and i % 4 == 0 else 0.0
+            times.append([0.01 + t, 1])
+        plain.append(_stream(0.0, times))
+    det = [_stream(0.0, [[0.01 + 0.01 * j, 10] for j in range(4)]) for _ in range(8)]
+    summary = sb.stream_summary({"single": {"nondeterministic": plain[:1], "deterministic": det[:1]},
+                                 "concurrent": {"nondeterministic": plain, "deterministic": det}})
+    conc = summary["concurrent"]
+    assert conc["decode_step_s"] == pytest.approx(0.001, rel=0.02)
+    assert conc["p99_gap_steps"]["deterministic"] == pytest.approx(10, rel=0.02)
+    assert summary["single"]["max_gap_steps"]["deterministic"] == pytest.approx(10, rel=0.05)
+
+
+def test_resummarize_rewrites_the_summaries_and_targets_from_the_recorded_streams(tmp_path: Path) -> None:
+    plain = [_stream(0.0, [[0.01 + 0.001 * i, 1] for i in range(40)])]
+    det = [_stream(0.0, [[0.012 + 0.01 * j, 10] for j in range(4)])]
+    streams = {"single": {"nondeterministic": plain, "deterministic": det}, "concurrent": {}, "summary": {}}
+    doc = {"streams": streams, "engine_alone": {"streams": json.loads(json.dumps(streams))},
+           "checks": {"all_ok": True}, "ramp": {"modes": {"dvr_0pct": {"saturation": {"ratio_to_engine_core": 0.95}}}}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(doc))
+    assert sb.main(["--resummarize", str(path)]) == 0
+    out = json.loads(path.read_text())
+    for s in (out["streams"]["summary"], out["engine_alone"]["streams"]["summary"]):
+        assert s["single"]["decode_step_s"] == pytest.approx(0.001) and s["single"]["ttft_ratio"] == pytest.approx(1.2)
+    assert out["targets"]["single_max_gap_le_16_steps"] is True and out["targets"]["single_ttft_ratio_le_1.10"] is False
+    assert out["targets"]["service_over_engine_core_ge_0.90"] == {"dvr_0pct": True}
+
+
 def test_poisson_arrivals_keep_their_rate() -> None:
     offsets = sb.poisson_offsets(4000, 50.0, seed=1)
     assert offsets[0] == 0.0 and offsets == sorted(offsets)
