@@ -221,7 +221,7 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
 
 stage_chunks() {  # issue 26: chunked canonical prefill GEMMs (canonical_prefill_chunk_tokens = CHUNK, 256) on the
   # synthetic 8B: its gpu test, one stream and 8 through the engine at the default cadence, and the mode comparison
-  # on the two ShareGPT-like mixes (at most 90 + 200 + 280 s)
+  # on the two ShareGPT-like mixes (at most 90 + 200 + 280 s); CHUNK=0: the same runs unchunked
   local c=${CHUNK:-256}
   timeout 90 python3 -m pytest -q -p no:cacheprovider -m gpu -rfE tests/engine/test_gpu_canonical_prefill_chunks.py \
     2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-chunks.txt" | tail -6

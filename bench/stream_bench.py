@@ -260,8 +260,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    config = EngineConfig.from_options({"model": args.model, "device": args.device,
-                                        **engine_options(args.engine_option)})
+    options = engine_options(args.engine_option)
+    config = EngineConfig.from_options({"model": args.model, "device": args.device, **options})
     started = time.perf_counter()
     loaded = load_model(config)
     core = EngineCore(config, loaded.model, loaded.shape, set(getattr(loaded.info, "eos_token_ids", ()) or ()))
@@ -286,7 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       "default_verify_cadence_steps": default_cadence,
                       "canonical_prefill_min_tokens": cfg.tuning.canonical_prefill_min_tokens,
                       "canonical_prefill_chunk_tokens": cfg.tuning.canonical_prefill_chunk_tokens,
-                      "engine_options": engine_options(args.engine_option)},
+                      "engine_options": options},
            "settings": result["settings"], "ratios_to_nondeterministic": ratios(result["settings"]),
            "single_streams": result["single_streams"]}
     path = write_result(doc, args.out, args.name)

@@ -44,8 +44,9 @@ CUDA_SEQ_SIZING_TOKENS = 1024
 DEFAULT_CUDA_CANONICAL_PREFILL_MIN_TOKENS = 2048
 CPU_CANONICAL_PREFILL_MIN_TOKENS = 64
 # rows of every GEMM of a chunked canonical prefill pass (DvrTuning.canonical_prefill_chunk_tokens; 0: off). On the
-# 8B (H100, bench/results/2026-12-07-h100) 512 brings a lone deterministic prompt's first token from 3.2x to 1.1x of
-# a plain one's and costs the ShareGPT-like mixes under 0.01 at dvr 10 % and 100 %; 256 costs them 0.02-0.05
+# 8B (H100, bench/results/2026-12-07-h100, `bash bench/h200.sh chunks`) 512 brings a lone deterministic prompt's first
+# token from 3.05x to 1.12x of a plain one's and costs the ShareGPT-like mixes under 0.01 at dvr 10 % and 100 %; 256
+# costs them 0.01-0.05
 DEFAULT_CUDA_CANONICAL_PREFILL_CHUNK_TOKENS = 512
 CPU_CANONICAL_PREFILL_CHUNK_TOKENS = 0
 # decode graphs of at least this many padded rows capture their GEMMs with cuBLASLt (CUDA graphs on): it is
