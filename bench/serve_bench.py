@@ -45,7 +45,10 @@ max_tokens = the drawn output length with ignore_eos, temperature --temperature,
 requests, spread evenly (request i is deterministic when floor((i+1)s) > floor(i s), so every prefix of the
 pool holds the share). Rates: --rates, or --rate-fractions of the engine-alone "core" saturation req/s of the
 first mode; a point sends rate x --point-s requests (clamped to --min/--max-point-requests) at exponential
-gaps; the saturation point sends --saturation-requests, the same requests the engine alone ran.
+gaps; the saturation point sends the saturation set, the same requests the engine alone ran:
+--saturation-requests, grown in steps of 256 until one engine core run of it in the first mode lasts
+--saturation-s (5 s), so that admitting the requests and the last ones' tail are a small part of the figure
+(the engine alone's "saturation" entry records the probe).
 
 Metrics per point (times on the client, CLOCK_MONOTONIC shared by all processes): output tok/s and req/s
 over the span from the first send to the last stream end; TTFT (send to the first chunk with text);
@@ -58,7 +61,7 @@ consecutive chunks of a stream. Also the CPU the service and each client process
 Streams (issue 26; logprobs=0 so every token's arrival is known): one stream alone (--stream-repeats times
 per mode, modes alternating) and --stream-concurrency streams at once, --stream-tokens output tokens each,
 deterministic and not. Per stream: the arrival time of every token, TTFT, end-to-end latency, chunk gaps; the
-decode step is estimated as the median per-token gap of the non-deterministic streams of the same run and
+decode step is estimated as the mean per-token gap of the non-deterministic streams of the same run and
 concurrency, and gaps are also given in decode steps. The engine alone reports the same with commit times.
 
 Results (the JSON is rewritten after every phase, so a killed run keeps what it measured):
@@ -139,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--top-p-share", type=float, default=0.5, help="share of requests sent with --top-p")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--saturation-requests", type=int, help=f"default {FULL['saturation_requests']}")
+    p.add_argument("--saturation-requests", type=int, help=f"the saturation set's size at least (default "
+                   f"{FULL['saturation_requests']}; grown to last --saturation-s)")
+    p.add_argument("--saturation-s", type=float, default=5.0,
+                   help="grow the saturation set (in steps of 256 requests) until the engine core's run of it in "
+                        "the first mode lasts this long (0: never)")
     p.add_argument("--core-repeats", type=int, default=3,
                    help="runs of the saturation set through the engine core per mode (the median run is the "
                         "figure; all runs' tok/s are recorded)")
@@ -238,6 +245,8 @@ def engine_role(plan_path: str, result_path: str) -> int:
     }
     write_result_file(result, out_path)
     log(f"engine loaded in {result['load_s']} s on {result['device']['name']}; graphs {result['graphs']}")
+    plan["saturation_requests"] = size_saturation(core, plan, result, vocab)
+    write_result_file(result, out_path)
     sat = result["requests"][:plan["saturation_requests"]]
     for share in plan["det_shares"]:
         entry = result["modes"][mode_name(share)] = {"deterministic_share": share}
@@ -255,6 +264,28 @@ def engine_role(plan_path: str, result_path: str) -> int:
         asyncio.run(_engine_async_phase(engine, plan, result, out_path))
     write_result_file(result, out_path)
     return 0
+
+
+def size_saturation(core: Any, plan: dict[str, Any], result: dict[str, Any], vocab: int) -> int:
+    """The saturation set's size: --saturation-requests, grown in steps of 256 until the first mode's engine
+    core run lasts --saturation-s (a run of a second or two is mostly its ramp and tail, and moves by a third
+    between runs). Measured by one core run of the given set after a warm-up; the pool grows to fit."""
+    n, target = plan["saturation_requests"], plan.get("saturation_s") or 0.0
+    share = plan["det_shares"][0]
+    sat = result["requests"][:n]
+    det = deterministic_flags(len(sat), share)
+    _warm_core(core, sat, det, plan)
+    probe = core_run(core, sat, det, plan, "sizing")
+    sizing = {"mode": mode_name(share), "requests_probed": len(sat), "probe_seconds": probe["seconds"],
+              "target_s": target, "requests": n}
+    if target and 0 < probe["seconds"] < target and not probe["capped"]:
+        n = sizing["requests"] = 256 * math.ceil(n * target / probe["seconds"] / 256)
+        if n > len(result["requests"]):
+            result["requests"] = request_pool({**plan, "pool_size": n}, vocab)
+    result["saturation"] = sizing
+    log(f"saturation set: {n} requests (one core run of {len(sat)} took {probe['seconds']:.2f} s; "
+        f"target {target:g} s)")
+    return n
 
 
 @contextlib.contextmanager
@@ -870,7 +901,8 @@ class Run:
                 "stream_tokens": a.stream_tokens, "stream_prompt_tokens": a.stream_prompt_tokens,
                 "stream_repeats": a.stream_repeats, "stream_concurrency": a.stream_concurrency,
                 "streams": a.streams, "engine_async": a.engine_async, "work_dir": str(self.work),
-                "engine_cap_s": max(30.0, self.left() / 4), "core_repeats": a.core_repeats}
+                "engine_cap_s": max(30.0, self.left() / 4), "core_repeats": a.core_repeats,
+                "saturation_s": a.saturation_s}
 
     # -- phases
     def engine_alone(self) -> None:
@@ -895,7 +927,9 @@ class Run:
             "load_s": self.engine["load_s"], "engine_config": self.engine["engine_config"],
             "graphs": self.engine["graphs"], "model": self.engine["model"], "modes": self.engine["modes"],
             "streams": self.engine.get("streams")}
-        self.result["requests"] = pool_summary(self.engine["requests"], self.args)
+        self.result["requests"] = pool_summary(self.engine["requests"], self.args, self.saturation_requests())
+        if "saturation" in self.engine:
+            self.result["engine_alone"]["saturation_sizing"] = self.engine["saturation"]
         for key in ("async_error",):
             if key in self.engine:
                 self.result["engine_alone"][key] = self.engine[key]
@@ -996,7 +1030,7 @@ class Run:
         name = mode_name(share)
         points = self.result["ramp"]["modes"][name]["points"]
         inf = math.isinf(rate)
-        count = a.saturation_requests if inf else min(a.max_point_requests, len(pool),
+        count = self.saturation_requests() if inf else min(a.max_point_requests, len(pool),
                                                       max(a.min_point_requests, round(rate * a.point_s)))
         key = "inf" if inf else f"{rate:g}"
         need = (0 if inf else 1.5 * a.point_s) + 10 + self.verify_reserve_s(count)
@@ -1014,6 +1048,10 @@ class Run:
                 f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
                 f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}")
         self.write()
+
+    def saturation_requests(self) -> int:
+        """The saturation set's size the engine-alone run settled on (``size_saturation``)."""
+        return int(self.engine.get("saturation", {}).get("requests", self.args.saturation_requests))
 
     def saturation(self, name: str) -> dict[str, Any]:
         """The service at the infinite rate against the engine alone on the same requests."""
@@ -1144,8 +1182,8 @@ def fmt(x: float | None, digits: int = 4) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def pool_summary(pool: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
-    sat = pool[:args.saturation_requests]
+def pool_summary(pool: list[dict[str, Any]], args: argparse.Namespace, saturation_requests: int) -> dict[str, Any]:
+    sat = pool[:saturation_requests]
     return {"set": args.set, "pool": len(pool), "saturation_requests": len(sat),
             "prompt_len_mean": sum(len(r["prompt"]) for r in sat) / len(sat),
             "output_len_mean": sum(r["max_tokens"] for r in sat) / len(sat),

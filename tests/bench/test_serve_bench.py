@@ -5,6 +5,7 @@ verifies, the checkpoint's tree size equals the number of transcripts, a tampere
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -27,7 +28,7 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("serve-bench")
     cmd = [sys.executable, "bench/serve_bench.py", "--model", "synthetic:tiny:peaked", "--device", "cpu", "--quick",
            "--out", str(out), "--name", "smoke", "--engine-option", "num_threads=1", "--det-shares", "0,1",
-           "--saturation-requests", "3", "--rates", "2", "--point-s", "1", "--min-point-requests", "2",
+           "--saturation-requests", "3", "--saturation-s", "0", "--rates", "2", "--point-s", "1", "--min-point-requests", "2",
            "--max-point-requests", "2", "--stream-tokens", str(STREAM_TOKENS), "--stream-prompt-tokens", "16",
            "--stream-concurrency", "2", "--stream-repeats", "2", "--core-repeats", "2", "--clients", "1",
            "--deadline-s", "240"]
@@ -160,3 +161,30 @@ def test_poisson_arrivals_keep_their_rate() -> None:
     assert offsets[0] == 0.0 and offsets == sorted(offsets)
     assert offsets[-1] / 3999 == pytest.approx(1 / 50, rel=0.06)
     assert sb.poisson_offsets(5, float("inf"), seed=1) == [0.0] * 5
+
+
+def test_the_saturation_set_grows_until_the_engine_core_runs_it_for_the_target_time() -> None:
+    """``size_saturation`` on the tiny model's real engine core: a set whose core run is shorter than
+    --saturation-s grows to the next multiple of 256 that the probe's rate says lasts that long, the pool
+    grows with it (its first requests unchanged), and a target of 0 keeps the set as given."""
+    from auditor.app import load_engine
+    from auditor.settings import Settings
+
+    engine = load_engine(Settings(model="synthetic:tiny:peaked", device="cpu", engine_process=False,
+                                  engine_options={"num_threads": 1}))
+    core = engine.core
+    vocab = min(core.shape.vocab_size, len(engine.tokenizer))
+    plan = {"set": "sharegpt-32x20", "pool_size": 4, "seed": 0, "top_p": 0.95, "top_p_share": 0.5,
+            "temperature": 0.8, "det_shares": [0.0, 1.0], "saturation_requests": 4, "engine_cap_s": 60.0}
+    pool = sb.request_pool(plan, vocab)
+    kept = {"requests": list(pool)}
+    assert sb.size_saturation(core, {**plan, "saturation_s": 0.0}, kept, vocab) == 4
+    assert kept["saturation"]["requests"] == 4 and kept["requests"] == pool
+
+    grown = {"requests": list(pool)}
+    n = sb.size_saturation(core, {**plan, "saturation_s": 30.0}, grown, vocab)
+    probe = grown["saturation"]
+    assert probe["requests_probed"] == 4 and 0 < probe["probe_seconds"] < 30 and probe["mode"] == "dvr_0pct"
+    assert n == probe["requests"] == 256 * math.ceil(4 * 30.0 / probe["probe_seconds"] / 256)
+    assert len(grown["requests"]) == n and grown["requests"][:4] == pool
+    assert not core.has_work()
