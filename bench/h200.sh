@@ -22,9 +22,9 @@
 #   dvrtests    the gpu tests of DVR bits under load, carried rows and overlap
 #   packtests   the gpu tests of packed verify passes, carried rows and the engine's CUDA graphs
 #   chaintests  the gpu tests of overlap and chained verify passes
-#   tests1 / tests2 / tests3   every `gpu`-marked test of tests/engine in three device calls (GPU_TESTS_1 and
-#               GPU_TESTS_3 list the first and third calls' files, the second takes the rest)
-#                                                 -> gpu-pytest-1.txt, gpu-pytest-2.txt, gpu-pytest-3.txt
+#   tests1 .. tests4   every `gpu`-marked test of tests/engine in up to four device calls (GPU_TESTS_1, _3 and _4
+#               list the first, third and fourth stages' files, the second takes the rest; tests1 and tests3
+#               fit one call)        -> gpu-pytest-1.txt, gpu-pytest-2.txt, gpu-pytest-3.txt, gpu-pytest-4.txt
 #   sampler     the sampler alone and the SmolLM2 engine per sampling preset: bench/sampler_bench.py
 #                                                                   -> sampler-bench.json
 #   serve       the service through the API beside the engine alone, the synthetic 8B and SmolLM2 (SERVE_MODELS
@@ -128,6 +128,7 @@ GPU_TESTS_1="tests/engine/test_sampler_triton.py tests/engine/test_gpu_engine_gr
   tests/engine/test_gpu_overlap.py tests/engine/test_gpu_verify_carry.py"
 GPU_TESTS_3="tests/engine/test_gpu_processors.py tests/engine/test_gpu_query_tile.py
   tests/engine/test_gpu_tensor_parallel.py"
+GPU_TESTS_4="tests/engine/test_fused_gpu.py"
 
 stage_tests1() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
@@ -136,7 +137,7 @@ stage_tests1() {
 
 stage_tests2() {
   local skip=()
-  for f in $GPU_TESTS_1 $GPU_TESTS_3; do skip+=(--ignore="$f"); done
+  for f in $GPU_TESTS_1 $GPU_TESTS_3 $GPU_TESTS_4; do skip+=(--ignore="$f"); done
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
     "${skip[@]}" tests/engine 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-2.txt" | tail -40
 }
@@ -144,6 +145,11 @@ stage_tests2() {
 stage_tests3() {
   timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
     $GPU_TESTS_3 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-3.txt" | tail -40
+}
+
+stage_tests4() {
+  timeout "${TESTS_TIMEOUT:-540}" python3 -m pytest -q -p no:cacheprovider -m gpu -rfE --durations=15 \
+    $GPU_TESTS_4 2>&1 | grep -v Warn | tee "$OUT/gpu-pytest-4.txt" | tail -40
 }
 
 stage_sampler() {  # the copy on the machine may carry no .git, or an older one: GIT_COMMIT names the tree

@@ -32,7 +32,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
            "--max-point-requests", "2", "--stream-tokens", str(STREAM_TOKENS), "--stream-prompt-tokens", "16",
            "--stream-concurrency", "2", "--stream-repeats", "2", "--core-repeats", "2", "--clients", "1",
            "--deadline-s", "240"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "VERBATIM_WORKERS": "1"}
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     return {"out": out, "doc": json.loads((out / "smoke.json").read_text())}
@@ -45,6 +46,9 @@ def test_run_records_its_command_commit_device_and_plots(smoke: dict) -> None:
     assert len(env["git_commit"]) == 40 and env["date_utc"].startswith("20") and env["device"]["type"] == "cpu"
     assert env["device"]["name"] and doc["model"] == "synthetic:tiny:peaked"
     assert doc["service"]["served_model"] == "synthetic:tiny:peaked" and doc["service"]["exit_code"] == 0
+    # the service's settings as it got them, inherited ones included, and the worker processes it started
+    assert doc["service"]["environment"]["VERBATIM_WORKERS"] == "1" and doc["service"]["workers"] == 1
+    assert doc["service"]["environment"]["VERBATIM_MODEL"] == "synthetic:tiny:peaked"
     for png in ("smoke.png", "smoke-streams.png"):
         assert (smoke["out"] / png).read_bytes()[:4] == b"\x89PNG"
 
@@ -185,6 +189,15 @@ def test_the_saturation_set_grows_until_the_engine_core_runs_it_for_the_target_t
     n = sb.size_saturation(core, {**plan, "saturation_s": 30.0}, grown, vocab)
     probe = grown["saturation"]
     assert probe["requests_probed"] == 4 and 0 < probe["probe_seconds"] < 30 and probe["mode"] == "dvr_0pct"
+    assert probe["probe_seconds"] == min(probe["probe_runs_s"]) and len(probe["probe_runs_s"]) == 2
     assert n == probe["requests"] == 256 * math.ceil(4 * 30.0 / probe["probe_seconds"] / 256)
     assert len(grown["requests"]) == n and grown["requests"][:4] == pool
     assert not core.has_work()
+
+
+def test_the_service_record_names_its_worker_processes_from_its_start_up_line(tmp_path: Path) -> None:
+    service = sb.Service(tmp_path / "data", tmp_path / "serve.log", "synthetic:tiny", "cpu", {})
+    service.log_path.write_text("Verbatim listening on http://127.0.0.1:8000 with 4 worker processes; one engine\n")
+    assert service.workers() == 4
+    service.log_path.write_text("Verbatim listening on http://127.0.0.1:8000\n")
+    assert service.workers() == 1
