@@ -30,6 +30,10 @@ from auditor.engine_seam import EngineStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _ENGINE_COUNTERS = {
+    "steps": "Engine steps (each one prefill, decode or verify pass, or idle)",
+    "prefill_passes": "Prefill passes run",
+    "decode_passes": "Decode steps run (outside verify passes)",
+    "step_seconds": "Seconds the engine spent in its steps: its rate is the engine loop's utilization",
     "prompt_tokens": "Prompt tokens prefilled by the engine",
     "generated_tokens": "Output tokens committed by the engine",
     "verify_passes": "DVR verify passes run",

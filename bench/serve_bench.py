@@ -56,7 +56,11 @@ end-to-end latency (send to the stream's end, after the transcript is recorded);
 last chunk over tokens - 1); inter-token latency: each chunk's gap to the previous chunk divided evenly over
 its tokens (SGLang's convention: --itl-tokens text counts them by re-encoding the chunk's text, exact for the
 synthetic word-level tokenizer; logprobs asks for logprobs=0 and counts exactly); chunk gaps: gaps between
-consecutive chunks of a stream. Also the CPU the service and each client process used, as cores.
+consecutive chunks of a stream. Also the CPU the service and each client process used, as cores, and how the
+engine's counters moved (the service's /metrics before and after the point; EngineStats around a core run):
+steps, prefill / decode / verify passes, committed tokens and step seconds, whose share of the point's span is
+"busy" (the engine loop's utilization); each mode's saturation entry sets busy and steps per 100 tokens under
+the service beside the engine core's.
 
 Streams (issue 26; logprobs=0 so every token's arrival is known): one stream alone (--stream-repeats times
 per mode, modes alternating) and --stream-concurrency streams at once, --stream-tokens output tokens each,
@@ -372,6 +376,7 @@ def _warm_core(core: Any, reqs: list[dict[str, Any]], det: list[bool], plan: dic
 def core_run(core: Any, reqs: list[dict[str, Any]], det: list[bool], plan: dict[str, Any],
              tag: str) -> dict[str, Any]:
     """All requests at once through EngineCore.step (the engine bench's loop): throughput, TTFT, latency."""
+    before = dataclasses.asdict(core.stats())
     seqs = [core.add_request(f"{tag}-{k}", r["prompt"], sampling_params(r, d, plan))
             for k, (r, d) in enumerate(zip(reqs, det))]
     first: dict[str, float] = {}
@@ -388,6 +393,7 @@ def core_run(core: Any, reqs: list[dict[str, Any]], det: list[bool], plan: dict[
                 done[s.request_id] = now
         pending = [s for s in pending if not s.is_finished]
     seconds = time.monotonic() - t0
+    counters = engine_delta(before, dataclasses.asdict(core.stats()), seconds)
     for s in pending:  # a capped run's leftovers must not ride into the next run
         core.abort(s.request_id)
     while core.has_work():
@@ -396,7 +402,7 @@ def core_run(core: Any, reqs: list[dict[str, Any]], det: list[bool], plan: dict[
     return {"requests": len(seqs), "finished": len(done), "seconds": round(seconds, 4), "output_tokens": tokens,
             "output_tok_per_s": tokens / seconds, "req_per_s": len(done) / seconds,
             "ttft_s": dist(list(first.values())), "e2e_s": dist(list(done.values())),
-            "capped": bool(pending)}
+            "capped": bool(pending), "engine": counters}
 
 
 async def _engine_async_phase(engine: Any, plan: dict[str, Any], result: dict[str, Any], out_path: Path) -> None:
@@ -700,6 +706,38 @@ class Service:
             return self.log_path.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+
+ENGINE_COUNTERS = ("steps", "prefill_passes", "decode_passes", "verify_passes", "generated_tokens", "step_seconds")
+"""The engine's counters a point and a core run record the change of (EngineStats; the service's /metrics)."""
+
+
+def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """How ENGINE_COUNTERS moved over a run of `seconds`, and "busy": the share of those seconds the engine spent
+    in its steps (step_seconds / seconds)."""
+    delta: dict[str, Any] = {k: after[k] - before[k] for k in ENGINE_COUNTERS if k in before and k in after}
+    if "step_seconds" in delta:
+        delta["step_seconds"] = round(delta["step_seconds"], 4)
+        delta["busy"] = round(delta["step_seconds"] / seconds, 4) if seconds > 0 else None
+    return delta
+
+
+def engine_counters(url: str) -> dict[str, float]:
+    """The engine's counters as the service's /metrics gives them (verbatim_engine_<name>_total); {} when it
+    does not answer."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as response:  # noqa: S310 - our local service
+            text = response.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return {}
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("verbatim_engine_")
+        if name in ENGINE_COUNTERS and name != family.name:
+            values.update({name: sample.value for sample in family.samples if sample.name == f"{family.name}_total"})
+    return values
 
 
 def http_json(url: str, headers: dict[str, str] | None = None, timeout: float = 30) -> tuple[int, Any]:
@@ -1057,12 +1095,16 @@ class Run:
         specs = self.mode_specs(pool[:count], share, poisson_offsets(count, rate, a.seed * 1000 + point))
         m = points[key] = {"offered_req_per_s": None if inf else rate}
         with recorded(m, "error"):
+            before = engine_counters(self.service.url)
             records, cpu = self.send(specs, a.itl_tokens)
             m.update({**point_metrics(records), **cpu})
+            time.sleep(0.3)  # the engine's last counters reach the workers with its idle step message
+            m["engine"] = engine_delta(before, engine_counters(self.service.url), m["seconds"])
             self.result["ramp"]["modes"][name]["saturation"] = self.saturation(name)
             log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
                 f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
-                f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}")
+                f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}, "
+                f"engine busy {fmt(m['engine'].get('busy'), 3)} over {m['engine'].get('steps')} steps")
         self.write()
 
     def saturation_requests(self) -> int:
@@ -1074,6 +1116,13 @@ class Run:
         point = self.result["ramp"]["modes"][name]["points"].get("inf", {})
         engine = self.engine["modes"].get(name, {})
         out: dict[str, Any] = {"service_tok_per_s": point.get("output_tok_per_s")}
+        # where the difference goes: the engine's busy share under the service and alone, and its steps per token
+        served, alone = point.get("engine", {}), engine.get("core", {}).get("engine", {})
+        out["service_engine_busy"], out["core_engine_busy"] = served.get("busy"), alone.get("busy")
+        for side, counters in (("service", served), ("core", alone)):
+            tokens = counters.get("generated_tokens")
+            out[f"{side}_steps_per_100_tokens"] = round(100 * counters["steps"] / tokens, 2) \
+                if tokens and "steps" in counters else None
         for kind in ("core", "async"):
             if kind in engine:
                 out[f"engine_{kind}_tok_per_s"] = engine[kind]["output_tok_per_s"]

@@ -66,6 +66,8 @@ class EngineStats:
     carried_decode_rows: int = 0     # decode rows run inside verify passes (DvrTuning.verify_decode_rows)
     early_decode_steps: int = 0      # decode steps launched before the verify pass before them was applied
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
+    step_seconds: float = 0.0        # wall time inside step(): the engine loop's busy time (host work, and waits
+                                     # for the device where a step reads its results); its rate is the utilization
 
 
 class EngineCore:
@@ -172,6 +174,7 @@ class EngineCore:
     # ---- stepping ----------------------------------------------------------------------------
     def step(self) -> list[Sequence]:
         """One pass. Returns the sequences whose committed state changed (or finished)."""
+        t0 = time.perf_counter()
         touched: list[Sequence] = []
         plan = None
         if self._inflight_prefill is not None:
@@ -190,6 +193,7 @@ class EngineCore:
                StepKind.VERIFY: self._verify, StepKind.IDLE: lambda p: []}[plan.kind]
         touched += self._retire(run(plan))
         self.totals.steps += 1
+        self.totals.step_seconds += time.perf_counter() - t0
         return touched
 
     def _retire(self, touched: list[Sequence]) -> list[Sequence]:

@@ -74,6 +74,14 @@ def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: d
         runs = engine["core"]["runs_tok_per_s"]
         assert len(runs) == 2 and round(engine["core"]["output_tok_per_s"], 1) in runs
         assert mode["saturation"]["ratio_to_engine_core"] > 0 and mode["saturation"]["ratio_to_engine_async"] > 0
+        # the engine's counters over each point (the service's /metrics) and each core run (EngineStats)
+        for counters in (mode["points"]["inf"]["engine"], mode["points"]["2"]["engine"], engine["core"]["engine"]):
+            assert counters["steps"] > 0 and counters["prefill_passes"] > 0 and 0 < counters["busy"] <= 1.0
+        sat_engine = mode["points"]["inf"]["engine"]
+        assert sat_engine["generated_tokens"] == engine["core"]["engine"]["generated_tokens"] == engine["core"]["output_tokens"]
+        assert (sat_engine["verify_passes"] > 0) == (name == "dvr_100pct")
+        assert mode["saturation"]["service_engine_busy"] == sat_engine["busy"]
+        assert mode["saturation"]["core_steps_per_100_tokens"] > 0 and mode["saturation"]["service_steps_per_100_tokens"] > 0
 
 
 def test_streams_give_every_tokens_arrival_in_both_modes(smoke: dict) -> None:

@@ -114,6 +114,10 @@ def test_step_messages_rebuild_the_cores_outputs_bit_for_bit() -> None:
     assert not client._requests and all(client.last_output(rid).finished for rid in seqs)
     assert windows_seen == sum(len(s.windows) for s in seqs.values()) > len(seqs)
     assert client.last_output("r1").top_logprobs and client.last_output("r1").prompt_top_logprobs
+    # the counters the stats carry: every step counted, its time in step() summed
+    stats = core.stats()
+    assert stats.steps >= stats.prefill_passes > 0 and stats.decode_passes > 0 and stats.verify_passes > 0
+    assert 0 < stats.step_seconds
 
 
 @pytest.mark.slow
