@@ -5,7 +5,8 @@ JSON-lines logging as ``serve`` configures it) runs in a process of its own on t
 ``tests/auditor/fake_engine.py`` (so the engine costs next to nothing and the append path is what is
 measured), against a fresh SQLite file or a fresh PostgreSQL schema. A second process drives it with
 ``--clients`` concurrent HTTP/1.1 clients (aiohttp, keep-alive), each posting non-streaming
-``/v1/completions`` back to back until ``--requests`` have completed.
+``/v1/completions`` (with ``--stream``: streamed, one event per commit, read to the end) back to back until
+``--requests`` have completed.
 
 After the run the log is checked: the latest signed checkpoint covers every completion (waiting for
 it through ``GET /v1/log/checkpoint``), log indices are unique and dense, and a sample of transcripts
@@ -178,7 +179,7 @@ class Outcome:
     seconds: float
 
 
-async def drive(url: str, keys: list[str], total: int, max_tokens: int) -> Outcome:
+async def drive(url: str, keys: list[str], total: int, max_tokens: int, stream: bool = False) -> Outcome:
     """``len(keys)`` clients, each on its own keep-alive connection, until ``total`` completions.
 
     aiohttp, not httpx: its client costs a fraction of the CPU per request, and the load generator
@@ -200,12 +201,12 @@ async def drive(url: str, keys: list[str], total: int, max_tokens: int) -> Outco
             while issued < total:
                 issued += 1
                 body = {"model": "fake-model", "prompt": f"client {number} request {issued}",
-                        "max_tokens": max_tokens, "seed": issued, "ignore_eos": True}
+                        "max_tokens": max_tokens, "seed": issued, "ignore_eos": True, "stream": stream}
                 started = time.perf_counter()
                 async with http.post("/v1/completions", json=body) as response:
-                    payload = await response.json()
+                    payload = await (_last_event(response) if stream else response.json())
                 latencies.append(time.perf_counter() - started)
-                if response.status != 200:
+                if response.status != 200 or "transcript" not in payload:
                     errors[str(response.status)] = errors.get(str(response.status), 0) + 1
                     continue
                 indices.append(payload["transcript"]["log_index"])
@@ -214,6 +215,15 @@ async def drive(url: str, keys: list[str], total: int, max_tokens: int) -> Outco
     started = time.perf_counter()
     await asyncio.gather(*(client(i) for i in range(len(keys))))
     return Outcome(latencies, indices, ids, errors, time.perf_counter() - started)
+
+
+async def _last_event(response: Any) -> dict[str, Any]:
+    """A streamed completion read to its end: its last JSON event (the one with the usage and the transcript)."""
+    last: dict[str, Any] = {}
+    async for line in response.content:
+        if line.startswith(b"data: {"):
+            last = json.loads(line[6:])
+    return last
 
 
 async def check_log(url: str, keys: list[str], outcome: Outcome, expected_size: int) -> dict[str, Any]:
@@ -354,10 +364,10 @@ def _measure(args: argparse.Namespace, target: Target, tmp: str) -> dict[str, An
     url = f"http://127.0.0.1:{port}"
     server = start_server(target, port, args, str(Path(tmp) / "server.log"))
     try:
-        warm = asyncio.run(drive(url, keys, args.warmup, args.max_tokens)) if args.warmup else None
+        warm = asyncio.run(drive(url, keys, args.warmup, args.max_tokens, args.stream)) if args.warmup else None
         load_before = os.getloadavg()
         cpu_before = (time.process_time(), process_cpu_seconds(server.pid))
-        outcome = asyncio.run(drive(url, keys, args.requests, args.max_tokens))
+        outcome = asyncio.run(drive(url, keys, args.requests, args.max_tokens, args.stream))
         cpu = {"client": round(time.process_time() - cpu_before[0], 2),
                "server": round(process_cpu_seconds(server.pid) - cpu_before[1], 2)}
         done = (args.requests if ledger_only else 0) + args.warmup + args.requests
@@ -370,7 +380,7 @@ def _measure(args: argparse.Namespace, target: Target, tmp: str) -> dict[str, An
     completed = len(outcome.log_indices)
     lat = sorted(outcome.latencies)
     return {
-        "database": target.database, "clients": args.clients, "requests": args.requests, "warmup": args.warmup,
+        "database": target.database, "clients": args.clients, "requests": args.requests, "warmup": args.warmup, "stream": args.stream, "max_tokens": args.max_tokens,
         "completed": completed, "errors": outcome.errors, "seconds": round(outcome.seconds, 3),
         "completions_per_second": round(completed / outcome.seconds, 1),
         "latency_ms": {"p50": round(1000 * statistics.median(lat), 2),
@@ -395,6 +405,8 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--requests", type=int, default=4000, help="measured completions")
     parser.add_argument("--warmup", type=int, default=256, help="completions before the measured ones")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--stream", action="store_true",
+                        help="streamed completions (server-sent events, one per commit), read to the end")
     parser.add_argument("--step-delay", type=float, default=0.001, help="fake engine seconds per commit")
     parser.add_argument("--direct", action="store_true",
                         help="also drive Ledger.append in-process (no HTTP) on a fresh log first: the ledger alone")
