@@ -30,9 +30,9 @@ from auditor.engine_seam import EngineStats
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _ENGINE_COUNTERS = {
-    "steps": "Engine steps (each one prefill, decode or verify pass, or idle)",
+    "steps": "Engine steps (each plans a prefill, decode or verify pass; a verify step may also launch a decode step)",
     "prefill_passes": "Prefill passes run",
-    "decode_passes": "Decode steps run (outside verify passes)",
+    "decode_passes": "Decode steps run, those launched behind a verify pass included (not its carried rows)",
     "step_seconds": "Seconds the engine spent in its steps: its rate is the engine loop's utilization",
     "prompt_tokens": "Prompt tokens prefilled by the engine",
     "generated_tokens": "Output tokens committed by the engine",

@@ -159,15 +159,16 @@ stage_sampler() {  # the copy on the machine may carry no .git, or an older one:
 }
 
 stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside the engine alone, the synthetic 8B
-  # and SmolLM2 (bench/serve_bench.py; at most 350 + 450 s, one model a call, each run bounded by its --deadline-s). The copy on the
-  # machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
+  # and SmolLM2 (bench/serve_bench.py; at most 350 + 450 s, so one model a call; each run bounded by its
+  # --deadline-s). The copy on the machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
   # SERVE_MODELS picks some of "8b smollm2"
   local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT} models=" ${SERVE_MODELS:-8b smollm2} "
   # (on a machine that has not loaded the GGUF before, SmolLM2's engine takes about a minute to load)
   [[ $models == *" 8b "* ]] && timeout "${SERVE_8B_TIMEOUT:-350}" python3 bench/serve_bench.py --model synthetic-8b \
     --deadline-s 330 $commit --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
   [[ $models == *" smollm2 "* ]] && timeout "${SERVE_SMOL_TIMEOUT:-450}" python3 bench/serve_bench.py --model "$GGUF" \
-    --quick --deadline-s 420 $commit --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+    --quick --deadline-s 420 $commit --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 \
+    | grep -v Warn | tail -30
   return 0
 }
 

@@ -380,7 +380,8 @@ def _measure(args: argparse.Namespace, target: Target, tmp: str) -> dict[str, An
     completed = len(outcome.log_indices)
     lat = sorted(outcome.latencies)
     return {
-        "database": target.database, "clients": args.clients, "requests": args.requests, "warmup": args.warmup, "stream": args.stream, "max_tokens": args.max_tokens,
+        "database": target.database, "clients": args.clients, "requests": args.requests, "warmup": args.warmup,
+        "stream": args.stream, "max_tokens": args.max_tokens,
         "completed": completed, "errors": outcome.errors, "seconds": round(outcome.seconds, 3),
         "completions_per_second": round(completed / outcome.seconds, 1),
         "latency_ms": {"p50": round(1000 * statistics.median(lat), 2),

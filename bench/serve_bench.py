@@ -277,6 +277,9 @@ def size_saturation(core: Any, plan: dict[str, Any], result: dict[str, Any], voc
     between runs). Measured by the faster of two core runs of the given set after a warm-up (the first full
     run on a fresh engine is the slowest); the pool grows to fit."""
     n, target = plan["saturation_requests"], plan.get("saturation_s") or 0.0
+    if not target:
+        result["saturation"] = {"target_s": 0.0, "requests": n}
+        return n
     share = plan["det_shares"][0]
     sat = result["requests"][:n]
     det = deterministic_flags(len(sat), share)
@@ -285,7 +288,7 @@ def size_saturation(core: Any, plan: dict[str, Any], result: dict[str, Any], voc
     probe = min(runs, key=lambda r: r["seconds"])
     sizing = {"mode": mode_name(share), "requests_probed": len(sat), "probe_seconds": probe["seconds"],
               "probe_runs_s": [r["seconds"] for r in runs], "target_s": target, "requests": n}
-    if target and 0 < probe["seconds"] < target and not probe["capped"]:
+    if 0 < probe["seconds"] < target and not probe["capped"]:
         n = sizing["requests"] = 256 * math.ceil(n * target / probe["seconds"] / 256)
         if n > len(result["requests"]):
             result["requests"] = request_pool({**plan, "pool_size": n}, vocab)

@@ -28,7 +28,8 @@ def smoke(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("serve-bench")
     cmd = [sys.executable, "bench/serve_bench.py", "--model", "synthetic:tiny:peaked", "--device", "cpu", "--quick",
            "--out", str(out), "--name", "smoke", "--engine-option", "num_threads=1", "--det-shares", "0,1",
-           "--saturation-requests", "3", "--saturation-s", "0", "--rates", "2", "--point-s", "1", "--min-point-requests", "2",
+           "--saturation-requests", "3", "--saturation-s", "0", "--rates", "2", "--point-s", "1",
+           "--min-point-requests", "2",
            "--max-point-requests", "2", "--stream-tokens", str(STREAM_TOKENS), "--stream-prompt-tokens", "16",
            "--stream-concurrency", "2", "--stream-repeats", "2", "--core-repeats", "2", "--clients", "1",
            "--deadline-s", "240"]
@@ -78,10 +79,12 @@ def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: d
         for counters in (mode["points"]["inf"]["engine"], mode["points"]["2"]["engine"], engine["core"]["engine"]):
             assert counters["steps"] > 0 and counters["prefill_passes"] > 0 and 0 < counters["busy"] <= 1.0
         sat_engine = mode["points"]["inf"]["engine"]
-        assert sat_engine["generated_tokens"] == engine["core"]["engine"]["generated_tokens"] == engine["core"]["output_tokens"]
+        core_engine = engine["core"]["engine"]
+        assert sat_engine["generated_tokens"] == core_engine["generated_tokens"] == engine["core"]["output_tokens"]
         assert (sat_engine["verify_passes"] > 0) == (name == "dvr_100pct")
         assert mode["saturation"]["service_engine_busy"] == sat_engine["busy"]
-        assert mode["saturation"]["core_steps_per_100_tokens"] > 0 and mode["saturation"]["service_steps_per_100_tokens"] > 0
+        assert mode["saturation"]["core_steps_per_100_tokens"] > 0
+        assert mode["saturation"]["service_steps_per_100_tokens"] > 0
 
 
 def test_streams_give_every_tokens_arrival_in_both_modes(smoke: dict) -> None:
@@ -190,8 +193,10 @@ def test_the_saturation_set_grows_until_the_engine_core_runs_it_for_the_target_t
             "temperature": 0.8, "det_shares": [0.0, 1.0], "saturation_requests": 4, "engine_cap_s": 60.0}
     pool = sb.request_pool(plan, vocab)
     kept = {"requests": list(pool)}
+    steps = core.stats().steps
     assert sb.size_saturation(core, {**plan, "saturation_s": 0.0}, kept, vocab) == 4
     assert kept["saturation"]["requests"] == 4 and kept["requests"] == pool
+    assert core.stats().steps == steps  # no target: no probe runs
 
     grown = {"requests": list(pool)}
     n = sb.size_saturation(core, {**plan, "saturation_s": 30.0}, grown, vocab)

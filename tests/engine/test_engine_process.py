@@ -10,6 +10,7 @@ import dataclasses
 import os
 import signal
 import struct
+import time
 from collections import OrderedDict
 
 import pytest
@@ -100,6 +101,7 @@ def test_step_messages_rebuild_the_cores_outputs_bit_for_bit() -> None:
         publisher.open(f"r{i}")
         client._requests[f"r{i}"] = _Request(p, sp, None, None)
     windows_seen = 0
+    started = time.perf_counter()
     while core.has_work():
         deltas = [d for d in (publisher.delta(s) for s in core.step()) if d is not None]
         kind, (received, stats) = decode_message(bytes(encode_step(deltas, core.stats())))
@@ -111,13 +113,14 @@ def test_step_messages_rebuild_the_cores_outputs_bit_for_bit() -> None:
             if out is not None:
                 assert out == core.output(seq)
                 assert float_bits(out.token_logprobs) == float_bits(seq.logprobs)
+    looped = time.perf_counter() - started
     assert not client._requests and all(client.last_output(rid).finished for rid in seqs)
     assert windows_seen == sum(len(s.windows) for s in seqs.values()) > len(seqs)
     assert client.last_output("r1").top_logprobs and client.last_output("r1").prompt_top_logprobs
-    # the counters the stats carry: every step counted, its time in step() summed
+    # the counters the stats carry: every step counted, its time in step() summed (a share of the loop's time)
     stats = core.stats()
     assert stats.steps >= stats.prefill_passes > 0 and stats.decode_passes > 0 and stats.verify_passes > 0
-    assert 0 < stats.step_seconds
+    assert 0 < stats.step_seconds < looped
 
 
 @pytest.mark.slow
