@@ -8,6 +8,9 @@ dropped (``auditor.logs.quiet_drivers``).
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
+import time
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ def create_engine(url: str, *, schema: str | None = None, connections: int | Non
         database = make_url(url).database
         if database and database != ":memory:":
             Path(database).parent.mkdir(parents=True, exist_ok=True)
+            _enable_wal(database)
         # One writer at a time; wait for the lock instead of failing with "database is locked".
         kwargs["connect_args"] = {"timeout": 30}
     elif schema is not None:
@@ -47,11 +51,34 @@ def create_engine(url: str, *, schema: str | None = None, connections: int | Non
     return engine
 
 
+WAL_WAIT_S = 30.0
+"""How long ``_enable_wal`` retries while other connections hold the file's write lock."""
+
+
+def _enable_wal(database: str) -> None:
+    """Put the SQLite file in WAL mode (a property of the file, kept once set). Switching takes an exclusive lock,
+    and while another connection holds the write lock SQLite refuses at once with "database is locked" instead
+    of waiting in its busy handler (several processes starting on a new file: replicas, ``serve``'s workers).
+    So the switch is retried here, once per engine, before any connection of the pool exists."""
+    deadline = time.monotonic() + WAL_WAIT_S
+    with contextlib.closing(sqlite3.connect(database, timeout=WAL_WAIT_S)) as conn:
+        while True:
+            try:
+                if conn.execute("PRAGMA journal_mode=WAL").fetchone()[0].lower() == "wal":
+                    return
+            except sqlite3.OperationalError as exc:
+                if "locked" not in str(exc) and "busy" not in str(exc):
+                    raise
+            if time.monotonic() > deadline:
+                raise sqlite3.OperationalError(f"{database}: could not switch to WAL mode in {WAL_WAIT_S:.0f} s: "
+                                               "another connection kept the write lock")
+            time.sleep(0.05)
+
+
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
-    cursor.execute("PRAGMA foreign_keys=ON")
-    cursor.execute("PRAGMA journal_mode=WAL")
     cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
 
 
