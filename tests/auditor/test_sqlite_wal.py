@@ -1,6 +1,6 @@
 """A SQLite file is put in WAL mode when an engine is built for it, even while another process writes to it in
-rollback mode: SQLite refuses that switch at once ("database is locked") instead of waiting, which made one of
-several replicas starting on a new file fail."""
+rollback mode: SQLite refuses that switch at once ("database is locked") instead of waiting, so without a retry
+one of several replicas starting on a new file can fail."""
 from __future__ import annotations
 
 import asyncio
