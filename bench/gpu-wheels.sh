@@ -6,14 +6,13 @@
 #
 # The service's pure-Python dependencies with theirs, xgrammar and apache-tvm-ffi (which xgrammar imports),
 # gguf, jsonschema and pytest for the GPU tests, and py-spy for profiling there. One device call carries at most
-# 64 MiB with the source tree (about 8 MiB), so the wheels come in three parts: whl-a goes with .gpu/model-b (the
-# model's second part), whl-b and whl-c with the call that runs (setup installs once whl-c has arrived):
+# 64 MiB with the source tree (about 15 MiB), so the model (which ../shared/tools/gpu-prep leaves in two parts,
+# .gpu/model-a and .gpu/model-b) is cut again into three of at most 40 MB (.gpu/model-a, -b, -c) and the wheels
+# come in three parts; setup installs the wheels once whl-c has arrived and joins the model once model-c has:
 #
-#   call 1  carry [".gpu/model-a"]                  bash bench/h200.sh setup
-#   call 2  carry [".gpu/model-b", ".gpu/whl-a"]    bash bench/h200.sh setup
-#   call 3  carry [".gpu/whl-b", ".gpu/whl-c"]      bash bench/h200.sh setup STAGE ...
-#
-# (../shared/tools/gpu-prep makes .gpu/model-a and .gpu/model-b.)
+#   call 1  carry [".gpu/model-a", ".gpu/whl-a"]                bash bench/h200.sh setup
+#   call 2  carry [".gpu/model-b"]                              bash bench/h200.sh setup
+#   call 3  carry [".gpu/model-c", ".gpu/whl-b", ".gpu/whl-c"]  bash bench/h200.sh setup STAGE ...
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 grep -qxF ".gpu/" .git/info/exclude 2>/dev/null || echo ".gpu/" >> .git/info/exclude
@@ -39,4 +38,12 @@ for name in sorted(os.listdir(src), key=lambda n: -os.path.getsize(os.path.join(
     room[part] -= size
     shutil.copy(os.path.join(src, name), f".gpu/whl-{part}/")
 PY
-du -sh .gpu/whl-a .gpu/whl-b .gpu/whl-c
+# the model in three parts of at most 40 MB (part-aa, part-ab, part-ac), from gpu-prep's two or from these three
+if [ ! -d .gpu/model-c ]; then
+  cat .gpu/model-a/part-* .gpu/model-b/part-* > "$tmp/model.gguf"
+  rm -rf .gpu/model-a .gpu/model-b
+  mkdir -p .gpu/model-a .gpu/model-b .gpu/model-c
+  split -b 40000000 -a 2 "$tmp/model.gguf" "$tmp/part-"
+  mv "$tmp/part-aa" .gpu/model-a/ && mv "$tmp/part-ab" .gpu/model-b/ && mv "$tmp/part-ac" .gpu/model-c/
+fi
+du -sh .gpu/whl-a .gpu/whl-b .gpu/whl-c .gpu/model-a .gpu/model-b .gpu/model-c

@@ -7,8 +7,8 @@
 #   setup       gather the carried wheels (.gpu/whl-a, -b, -c made by bench/gpu-wheels.sh, which lists the three
 #               calls; .whl) in ~/gmw and install them into /tmp/site
 #               with the last part (the machine has torch, triton and transformers, not the service's
-#               dependencies), and put the SmolLM2 GGUF at $VERBATIM_GPU_GGUF (joined from .gpu/model-a's
-#               part-aa, kept in ~/gm, and .gpu/model-b's part-ab); run once per call that carries a part
+#               dependencies), and put the SmolLM2 GGUF at $VERBATIM_GPU_GGUF (joined in ~/gm from the parts in
+#               .gpu/model-a, -b and -c, once model-c has come); run once per call that carries a part
 #   mixes       the mode comparison on the synthetic 8B: the two ShareGPT-like mixes and 16 x 1k in / 256 out,
 #               every mode                                          -> gpu-bench-modes-mixes.json
 #   long4k      the same on 16 x 4k in / 1k out                    -> gpu-bench-modes-4k.json
@@ -60,12 +60,12 @@ log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 stage_setup() {  # one call per carried part: the wheels and the model arrive in parts (64 MiB a call)
   mkdir -p ~/gm ~/gmw
   for d in .gpu/whl-a .gpu/whl-b .gpu/whl-c .whl; do [ -d "$d" ] && cp "$d"/*.whl ~/gmw/ 2>/dev/null; done
-  [ -s .gpu/model-a/part-aa ] && cp .gpu/model-a/part-aa ~/gm/
+  for d in .gpu/model-a .gpu/model-b .gpu/model-c; do [ -d "$d" ] && cp "$d"/part-* ~/gm/; done
   if [ -d .gpu/whl-c ] && [ ! -d /tmp/site ]; then  # the last part is here: install everything
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site ~/gmw/*.whl 2>&1 | grep -v WARNING
   fi
-  if [ ! -s "$GGUF" ] && [ -s ~/gm/part-aa ] && [ -s .gpu/model-b/part-ab ]; then
-    cat ~/gm/part-aa .gpu/model-b/part-ab > "$GGUF"
+  if [ ! -s "$GGUF" ] && [ -d .gpu/model-c ]; then  # the last part is here: join them
+    cat ~/gm/part-a? > "$GGUF"
   fi
   ls -la "$GGUF" ~/gmw | tail -3 || true
   nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv
