@@ -34,6 +34,8 @@ _ENGINE_COUNTERS = {
     "prefill_passes": "Prefill passes run",
     "decode_passes": "Decode steps run, those launched behind a verify pass included (not its carried rows)",
     "step_seconds": "Seconds the engine spent in its steps: its rate is the engine loop's utilization",
+    "command_seconds": "Seconds the engine loop spent on its commands (requests added, aborts), not waiting for them",
+    "publish_seconds": "Seconds the engine loop spent handing its steps' outputs to the serving processes",
     "prompt_tokens": "Prompt tokens prefilled by the engine",
     "generated_tokens": "Output tokens committed by the engine",
     "verify_passes": "DVR verify passes run",

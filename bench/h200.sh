@@ -204,7 +204,8 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
 
 stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (260 s)
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
-  # per stack and process with its sample count; bench/profiling/report.py reads it); in $OUT/serve-profiles.tgz
+  # per stack and thread with its sample count, idle threads included, so that where a process waits shows;
+  # bench/profiling/report.py reads it); in $OUT/serve-profiles.tgz
   # the sampler's prof/<pid>.txt, the processes' CPU (serve-top.txt) and their busy threads (serve-threads.txt)
   ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-260}" \
       python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 240 \
@@ -214,7 +215,7 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   for i in $(seq 1600); do grep -q "streams through the API" "$OUT/serve-bench-profiled.log" 2>/dev/null && break; sleep 0.1; done
   pid=$(pgrep -f "auditor serve --data-dir" | head -1)
   if [ -n "$pid" ]; then
-    /tmp/site/bin/py-spy record --subprocesses --nonblocking --format raw -r 100 -d 12 --pid "$pid" \
+    /tmp/site/bin/py-spy record --subprocesses --nonblocking --idle --format raw -r 100 -d 12 --pid "$pid" \
       -o "$OUT/serve-profile.txt" > "$OUT/py-spy.log" 2>&1 &
     top -H -b -d 2 -n 5 -w 200 | grep -v " 0.0 " | head -500 > "$OUT/serve-threads.txt" &
     top -b -d 2 -n 5 | grep -E "python|PID" > "$OUT/serve-top.txt"

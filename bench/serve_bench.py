@@ -59,8 +59,9 @@ synthetic word-level tokenizer; logprobs asks for logprobs=0 and counts exactly)
 consecutive chunks of a stream. Also the CPU the service and each client process used, as cores, and how the
 engine's counters moved (the service's /metrics before and after the point; EngineStats around a core run):
 steps, prefill / decode / verify passes, committed tokens and step seconds, whose share of the point's span is
-"busy" (the engine loop's utilization); each mode's saturation entry sets busy and steps per 100 tokens under
-the service beside the engine core's.
+"busy" (the engine loop's utilization), and the loop's command and publishing seconds ("commands": requests
+added and aborts; "publish": handing out step messages; "idle": the rest of the span); each mode's saturation
+entry sets these shares and steps per 100 tokens under the service beside the engine core's.
 
 Streams (issue 26; logprobs=0 so every token's arrival is known): one stream alone (--stream-repeats times
 per mode, modes alternating) and --stream-concurrency streams at once, --stream-tokens output tokens each,
@@ -711,17 +712,23 @@ class Service:
             return ""
 
 
-ENGINE_COUNTERS = ("steps", "prefill_passes", "decode_passes", "verify_passes", "generated_tokens", "step_seconds")
+ENGINE_COUNTERS = ("steps", "prefill_passes", "decode_passes", "verify_passes", "generated_tokens", "step_seconds",
+                   "command_seconds", "publish_seconds")
 """The engine's counters a point and a core run record the change of (EngineStats; the service's /metrics)."""
 
 
 def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) -> dict[str, Any]:
-    """How ENGINE_COUNTERS moved over a run of `seconds`, and "busy": the share of those seconds the engine spent
-    in its steps (step_seconds / seconds)."""
+    """How ENGINE_COUNTERS moved over a run of `seconds`, and the shares of those seconds the engine loop spent in
+    its steps ("busy": step_seconds / seconds), on its commands ("commands": requests added, aborts) and handing
+    out its steps' outputs ("publish"): the rest ("idle") it waited for work with none, or ran the loop itself.
+    The three only grow while the engine has work, so counters read around a run time the run alone."""
     delta: dict[str, Any] = {k: after[k] - before[k] for k in ENGINE_COUNTERS if k in before and k in after}
-    if "step_seconds" in delta:
-        delta["step_seconds"] = round(delta["step_seconds"], 4)
-        delta["busy"] = round(delta["step_seconds"] / seconds, 4) if seconds > 0 else None
+    for counter, share in (("step_seconds", "busy"), ("command_seconds", "commands"), ("publish_seconds", "publish")):
+        if counter in delta:
+            delta[counter] = round(delta[counter], 4)
+            delta[share] = round(delta[counter] / seconds, 4) if seconds > 0 else None
+    if all(share in delta for share in ("busy", "commands", "publish")) and seconds > 0:
+        delta["idle"] = round(max(0.0, 1.0 - delta["busy"] - delta["commands"] - delta["publish"]), 4)
     return delta
 
 
@@ -1107,7 +1114,9 @@ class Run:
             log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
                 f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
                 f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}, "
-                f"engine busy {fmt(m['engine'].get('busy'), 3)} over {m['engine'].get('steps')} steps")
+                f"engine busy {fmt(m['engine'].get('busy'), 3)} commands {fmt(m['engine'].get('commands'), 3)} "
+                f"publish {fmt(m['engine'].get('publish'), 3)} idle {fmt(m['engine'].get('idle'), 3)} over "
+                f"{m['engine'].get('steps')} steps")
         self.write()
 
     def saturation_requests(self) -> int:
@@ -1122,6 +1131,8 @@ class Run:
         # where the difference goes: the engine's busy share under the service and alone, and its steps per token
         served, alone = point.get("engine", {}), engine.get("core", {}).get("engine", {})
         out["service_engine_busy"], out["core_engine_busy"] = served.get("busy"), alone.get("busy")
+        for share in ("commands", "publish", "idle"):
+            out[f"service_engine_{share}"] = served.get(share)
         for side, counters in (("service", served), ("core", alone)):
             tokens = counters.get("generated_tokens")
             out[f"{side}_steps_per_100_tokens"] = round(100 * counters["steps"] / tokens, 2) \

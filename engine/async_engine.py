@@ -165,7 +165,9 @@ class AsyncEngine(Fingerprinted):
     def _run(self) -> None:
         torch.set_num_threads(self._threads)
         while not self._stop.is_set():
+            t0 = time.perf_counter()
             self._drain_inbox()
+            self.core.totals.command_seconds += time.perf_counter() - t0
             if not self.core.has_work():
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -175,9 +177,11 @@ class AsyncEngine(Fingerprinted):
             except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
                 self._fail_all(exc)
                 continue
+            t0 = time.perf_counter()
             self._publish(touched)
             self._report_replays()
             self._finish_replays()
+            self.core.totals.publish_seconds += time.perf_counter() - t0
 
     def _drain_inbox(self) -> None:
         while True:

@@ -68,6 +68,9 @@ class EngineStats:
     chained_verify_passes: int = 0   # verify passes launched before the decode step before them was read
     step_seconds: float = 0.0        # wall time inside step(): the engine loop's busy time (host work, and waits
                                      # for the device where a step reads its results); its rate is the utilization
+    command_seconds: float = 0.0     # wall time the engine loop spent on its commands (requests added, aborts;
+                                     # not its waits for them); its driver (EngineProcess, AsyncEngine) adds it
+    publish_seconds: float = 0.0     # wall time the engine loop spent handing its steps' outputs to their waiters
 
 
 class EngineCore:

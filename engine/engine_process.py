@@ -743,6 +743,7 @@ class _EngineLoop:
                                          core.limits(), (core.config.group, core.config.window), core.stats())))
 
     def run(self) -> None:
+        totals = self.core.totals
         while not self.stop and self.clients.conns:
             commands = self._commands(0 if self.core.has_work() else 0.05)
             if self.stop or not self.clients.conns:
@@ -756,6 +757,7 @@ class _EngineLoop:
             except Exception as exc:  # noqa: BLE001 - every waiter must hear about it
                 self._fail_all(exc)
                 continue
+            t0 = time.perf_counter()
             by_client: dict[int, list[Delta]] = {}
             for seq in touched:
                 d = self.publisher.delta(seq)
@@ -769,38 +771,48 @@ class _EngineLoop:
                 stats, self.stats_at = self.core.stats(), now
             self._send_steps(by_client, stats)
             self._replays()
+            totals.publish_seconds += time.perf_counter() - t0
 
     def _commands(self, timeout: float) -> int:
         """Run the commands waiting on the pipes (waiting up to `timeout` for the first): every one when the
         engine is idle, at most about _COMMANDS_PER_STEP when it has work; how many ran, counting clients
-        dropped."""
-        count = 0
-        while not (count >= _COMMANDS_PER_STEP and self.core.has_work()):
-            count += self._drop_closed()
-            conns = list(self.clients.conns.values())
-            ready = wait([*conns, self.clients.control], timeout if count == 0 else 0)
-            if not ready:
-                return count
-            for conn in ready:
-                if conn is self.clients.control:
-                    try:
-                        self.stop = self.stop or self.clients.control.recv()[0] == "stop"
-                    except (EOFError, OSError):
-                        self.stop = True  # the host's process is gone
-                    continue
-                client = self.clients.client_of(conn)
-                if client is None:
-                    continue
-                try:
-                    message = conn.recv()
-                except (EOFError, OSError):
-                    self._drop(client)
+        dropped. The time spent, less the wait, counts as command_seconds."""
+        started, waited = time.perf_counter(), 0.0
+        try:
+            count = 0
+            while not (count >= _COMMANDS_PER_STEP and self.core.has_work()):
+                count += self._drop_closed()
+                conns = [*self.clients.conns.values(), self.clients.control]
+                if timeout and count == 0:
+                    t0 = time.perf_counter()
+                    ready = wait(conns, timeout)
+                    waited += time.perf_counter() - t0
                 else:
-                    self._command(client, *message)
-                count += 1
-            if self.stop:
-                return count
-        return count
+                    ready = wait(conns, 0)
+                if not ready:
+                    return count
+                for conn in ready:
+                    if conn is self.clients.control:
+                        try:
+                            self.stop = self.stop or self.clients.control.recv()[0] == "stop"
+                        except (EOFError, OSError):
+                            self.stop = True  # the host's process is gone
+                        continue
+                    client = self.clients.client_of(conn)
+                    if client is None:
+                        continue
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        self._drop(client)
+                    else:
+                        self._command(client, *message)
+                    count += 1
+                if self.stop:
+                    return count
+            return count
+        finally:
+            self.core.totals.command_seconds += time.perf_counter() - started - waited
 
     def _command(self, client: int, kind: str, *body: Any) -> None:
         if kind == "add":

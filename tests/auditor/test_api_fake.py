@@ -107,6 +107,7 @@ async def test_models_health_jwks_metrics(fake_server: LiveServer) -> None:
     assert models["data"][0]["id"] == MODEL
     for name in ("verbatim_http_requests_total", "verbatim_tokens_total", "verbatim_engine_rollbacks_total",
                  "verbatim_engine_steps_total", "verbatim_engine_step_seconds_total",
+                 "verbatim_engine_command_seconds_total", "verbatim_engine_publish_seconds_total",
                  "verbatim_engine_prefill_passes_total", "verbatim_engine_decode_passes_total",
                  "verbatim_engine_verify_seconds_total", "verbatim_engine_waiting", "verbatim_completions_total",
                  "verbatim_engine_verify_pass_mean_seconds", "verbatim_http_request_seconds_bucket"):

@@ -165,3 +165,41 @@ async def test_real_model_bits_equal_the_in_process_engine(make_real_llm) -> Non
 
 def float_bits(values: list[float]) -> list[bytes]:
     return [struct.pack("<d", v) for v in values]
+
+
+def test_the_loops_command_and_publishing_seconds_are_counted(mock_engine_process: EngineProcess) -> None:
+    """The engine process's loop counts the time it spent on commands (not its waits for them) and sending its
+    steps' outputs; with the steps' own time they fit in the wall time that passed, most of it idle here."""
+    before = mock_engine_process.stats()
+    started = time.perf_counter()
+    time.sleep(0.3)  # idle: the loop waits for commands, which does not count
+
+    async def run() -> list:
+        return [o async for o in mock_engine_process.generate([5, 6, 7], SamplingParams(max_tokens=20,
+                                                                                       ignore_eos=True))]
+
+    outs = asyncio.run(asyncio.wait_for(run(), 60))
+    assert outs[-1].finished
+    time.sleep(0.3)  # the stats ride on the step message sent when the engine falls idle
+    after, elapsed = mock_engine_process.stats(), time.perf_counter() - started
+    commands = after.command_seconds - before.command_seconds
+    publish = after.publish_seconds - before.publish_seconds
+    steps = after.step_seconds - before.step_seconds
+    assert commands > 0 and publish > 0 and steps > 0
+    assert commands + publish + steps < elapsed - 0.5
+
+
+async def test_the_in_process_engines_loop_counts_them_too() -> None:
+    config = EngineConfig.from_options(CFG)
+    engine = AsyncEngine(config, mock_loaded(config))
+    await engine.start()
+    try:
+        started = time.perf_counter()
+        await asyncio.sleep(0.3)
+        outs = [o async for o in engine.generate([5, 6, 7], SamplingParams(max_tokens=20, ignore_eos=True))]
+        assert outs[-1].finished
+        stats, elapsed = engine.stats(), time.perf_counter() - started
+        assert stats.command_seconds > 0 and stats.publish_seconds > 0 and stats.step_seconds > 0
+        assert stats.command_seconds + stats.publish_seconds + stats.step_seconds < elapsed - 0.25
+    finally:
+        await engine.shutdown()
