@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import gc
 import itertools
 import logging
 import multiprocessing as mp
@@ -733,6 +734,10 @@ class _EngineLoop:
                 loaded.tp.close()
             raise
         progress.ready(self.core.config, str(getattr(loaded.info, "name", "?")), started)
+        # the model's and the core's long-lived objects leave the collector's generations: the step messages'
+        # short-lived objects trigger collections every step, which then no longer walk them
+        gc.collect()
+        gc.freeze()
         self.publisher = _Publisher()
         self.owner: dict[str, int] = {}  # request id -> the client that added it
         self.replays: list[_EngineReplay] = []
