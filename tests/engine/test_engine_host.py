@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from engine.config import EngineConfig
+from engine.core import EngineStats
 from engine.engine_process import EngineHost, EngineProcess
 from engine.sampling import SamplingParams
 from engine.sequence import RequestOutput
@@ -173,11 +174,13 @@ async def test_a_killed_client_process_leaves_the_other_served(smollm2_source: A
 
 
 class _CountingCore:
-    """The part of EngineCore that _EngineLoop._commands touches: requests added, and whether any is queued."""
+    """The part of EngineCore that _EngineLoop._commands touches: requests added, whether any is queued, and the
+    counters (command seconds)."""
 
     def __init__(self, busy: bool = True) -> None:
         self.added: list[str] = []
         self.busy = busy  # False: has no work whatever was added (the engine stepped it all)
+        self.totals = EngineStats()
 
     def add_request(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
         self.added.append(rid)
