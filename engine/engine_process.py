@@ -51,6 +51,7 @@ import itertools
 import logging
 import multiprocessing as mp
 import pickle
+import select
 import signal
 import threading
 import time
@@ -570,23 +571,60 @@ def _relog(level: int, name: str, message: str) -> None:
 class _Clients:
     """The engine process's connections to its clients, by client number (its index in EngineHost's
     `connections`), and the host's control pipe. Every send holds one lock: log records are sent from
-    whichever thread logs."""
+    whichever thread logs.
+
+    Step messages are queued per client and sent by `flush`: without blocking, only to the clients whose
+    connection has room (poll's POLLOUT: a quarter of the socket's buffer or less in use); a client whose
+    serving process reads slowly gets its queued deltas in one later message (several deltas of a request,
+    in order, which the client applies one after the other) instead of holding the engine's next step back.
+    Every other message to a client first sends what is queued for it, so the order of a client's messages
+    is the order they were made in."""
 
     def __init__(self, conns: list[Connection], control: Connection) -> None:
         self.conns: dict[int, Connection] = dict(enumerate(conns))
         self.control = control
         self.lock = threading.Lock()
         self.closed: list[int] = []  # clients whose connection failed on a send, for the loop to drop
+        self.queued: dict[int, tuple[list[Delta], EngineStats | None]] = {}
+        self._poll = select.poll()
+        self._by_fd: dict[int, int] = {}
+        for client, conn in self.conns.items():
+            self._poll.register(conn.fileno(), select.POLLOUT)
+            self._by_fd[conn.fileno()] = client
 
     def send(self, client: int, message: tuple[Any, ...]) -> None:
+        self._flush_one(client)
         self._send(client, pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
 
     def send_step(self, client: int, deltas: list[Delta], stats: EngineStats | None) -> None:
-        self._send(client, encode_step(deltas, stats))
+        """Queue a step message for `client` (`flush` sends it): its deltas after those queued, the newest stats."""
+        if client not in self.conns:
+            return
+        queued, old = self.queued.get(client, ([], None))
+        queued.extend(deltas)
+        self.queued[client] = (queued, stats if stats is not None else old)
+
+    def flush(self, block: bool) -> None:
+        """Send the queued step messages: every one (`block`), or those whose connection has room now."""
+        if not self.queued:
+            return
+        if block:
+            ready = list(self.queued)
+        else:
+            ready = [self._by_fd[fd] for fd, events in self._poll.poll(0)
+                     if events & select.POLLOUT and fd in self._by_fd]
+        for client in ready:
+            self._flush_one(client)
+
+    def _flush_one(self, client: int) -> None:
+        queued = self.queued.pop(client, None)
+        if queued is not None:
+            self._send(client, encode_step(*queued))
 
     def send_all(self, message: tuple[Any, ...]) -> None:
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         for client in list(self.conns):
+            self._flush_one(client)
             self._send(client, data)
 
     def send_log(self, message: tuple[Any, ...]) -> None:
@@ -609,12 +647,20 @@ class _Clients:
                 conn.send_bytes(data)
             except OSError:  # its process is gone: the loop drops it before the next step
                 self.closed.append(client)
-                self.conns.pop(client).close()
+                self._forget(client)
 
     def close(self, client: int) -> None:
         with self.lock:
-            conn = self.conns.pop(client, None)
+            self._forget(client)
+
+    def _forget(self, client: int) -> None:
+        """(holding the lock) Drop `client`'s connection and what is queued for it."""
+        conn = self.conns.pop(client, None)
+        self.queued.pop(client, None)
         if conn is not None:
+            fd = conn.fileno()
+            self._by_fd.pop(fd, None)
+            self._poll.unregister(fd)
             conn.close()
 
     def client_of(self, conn: Connection) -> int | None:
@@ -750,6 +796,8 @@ class _EngineLoop:
     def run(self) -> None:
         totals = self.core.totals
         while not self.stop and self.clients.conns:
+            if not self.core.has_work():
+                self.clients.flush(block=True)  # before waiting: every step's outputs go out
             commands = self._commands(0 if self.core.has_work() else 0.05)
             if self.stop or not self.clients.conns:
                 continue
@@ -874,6 +922,7 @@ class _EngineLoop:
     def _send_steps(self, by_client: dict[int, list[Delta]], stats: EngineStats | None) -> None:
         for client in (list(self.clients.conns) if stats is not None else by_client):
             self.clients.send_step(client, by_client.get(client, []), stats)
+        self.clients.flush(block=not self.core.has_work())
 
     def _replays(self) -> None:
         from engine.replay import replay_results

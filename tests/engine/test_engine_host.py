@@ -10,6 +10,7 @@ import multiprocessing as mp
 import os
 import signal
 import struct
+import threading
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -220,3 +221,61 @@ def test_a_burst_of_requests_is_admitted_between_steps_not_before_them() -> None
         for ours, theirs in [*pipes, (control_ours, control_theirs)]:
             ours.close()
             theirs.close()
+
+
+def _delta(rid: str, start: int, tokens: list[int]) -> Any:
+    from engine.engine_process import Delta
+
+    return Delta(rid, start, tokens, [-0.5] * len(tokens), None, 0, [], False, None, 1, False, 0, 0, 0)
+
+
+def test_a_client_that_reads_slowly_does_not_hold_the_engine_back() -> None:
+    """Step messages to a client whose connection is full wait in the engine process's queue (the engine steps
+    on) and go out later as one message, the deltas in order; a message of another kind sends the queue first."""
+    from engine import engine_process as ep
+
+    pipes = [mp.Pipe() for _ in range(2)]
+    control_ours, control_theirs = mp.Pipe()
+    clients = ep._Clients([theirs for _, theirs in pipes], control_theirs)
+    sent: list[int] = []
+
+    def steps() -> None:  # far more than a socket's buffer holds, to client 0, which reads nothing meanwhile
+        for k in range(3000):
+            clients.send_step(0, [_delta(f"r{j}", k, [k]) for j in range(40)], None)
+            clients.send_step(1, [_delta("s", k, [k])], None)
+            clients.flush(block=False)
+            sent.append(k)
+
+    stepper = threading.Thread(target=steps, daemon=True)
+    stepper.start()
+    stepper.join(60)
+    try:
+        assert not stepper.is_alive() and len(sent) == 3000, "a send to the full connection blocked the engine"
+        assert clients.queued[0][0], "client 0's connection never filled: the test did not test the queue"
+        tokens: dict[str, list[int]] = {}
+        kinds: list[str] = []
+
+        def read() -> None:
+            while not kinds or kinds[-1] != "rejected":
+                kind, body = ep.decode_message(pipes[0][0].recv_bytes())
+                kinds.append(kind)
+                for d in body[0] if kind == "step" else []:
+                    assert d.start == len(tokens.setdefault(d.request_id, []))
+                    tokens[d.request_id].extend(d.token_ids)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        clients.send(0, ("rejected", "x", "why"))  # another kind of message: the queue goes first
+        reader.join(60)
+        assert kinds[-1] == "rejected" and set(kinds[:-1]) == {"step"} and len(kinds) < 3001
+        assert tokens == {f"r{j}": list(range(3000)) for j in range(40)}
+        other: list[int] = []
+        while pipes[1][0].poll(0.5):
+            other.extend(t for d in ep.decode_message(pipes[1][0].recv_bytes())[1][0] for t in d.token_ids)
+        clients.flush(block=True)
+        while pipes[1][0].poll(0.5):
+            other.extend(t for d in ep.decode_message(pipes[1][0].recv_bytes())[1][0] for t in d.token_ids)
+        assert other == list(range(3000))
+    finally:
+        for conn in [*(ours for ours, _ in pipes), control_ours]:
+            conn.close()
