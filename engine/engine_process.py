@@ -25,7 +25,9 @@ A step message carries only what each touched request committed since the last o
 windows added, counters): committed tokens and windows are never taken back, so the serving process appends
 them and keeps the cumulative RequestOutput that AsyncEngine's callers expect; the text is detokenized there,
 when a stream asks for it. A consumer that falls behind takes the newest output and skips the ones before it
-(they are cumulative), so a busy event loop sends fewer, longer chunks instead of slowing the engine.
+(they are cumulative), so a busy event loop sends fewer, longer chunks instead of slowing the engine; and the
+engine process sends a step message only to a connection with room, queueing the rest for a later message
+(_Clients), so a serving process that reads slowly never holds its next step back.
 
 The wire: a step message is the byte "S" followed by the msgpack of a `StepMessage` (array-like Structs:
 msgpack's float64 carries every logprob bit for bit); every other message (ready, failed, rejected, aborted,
