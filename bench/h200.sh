@@ -202,13 +202,14 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
     ${STREAM_ARGS:-} 2>&1 | grep -v Warn | tail -14
 }
 
-stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (260 s)
+stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (260 s;
+  # the fixed 1024-request set: every process sampled, a set sized to 5 s of the engine core does not fit)
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
   # per stack and thread with its sample count, idle threads included, so that where a process waits shows;
   # bench/profiling/report.py reads it); in $OUT/serve-profiles.tgz
   # the sampler's prof/<pid>.txt, the processes' CPU (serve-top.txt) and their busy threads (serve-threads.txt)
   ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-260}" \
-      python3 bench/serve_bench.py --model "$GGUF" --quick --deadline-s 240 \
+      python3 bench/serve_bench.py --model "$GGUF" --quick --saturation-s 0 --deadline-s 240 \
       ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
       > "$OUT/serve-bench-profiled.log" 2>&1 ) &
   local bench=$! i pid

@@ -51,7 +51,10 @@ gaps; the saturation point sends the saturation set, the same requests the engin
 tail are a small part of the figure (the engine alone's "saturation_sizing" entry records the probe).
 
 Metrics per point (times on the client, CLOCK_MONOTONIC shared by all processes): output tok/s and req/s
-over the span from the first send to the last stream end; TTFT (send to the first chunk with text);
+over the span from the first send to the last stream end; TTFT (send to the first chunk with text); the time
+to the response's headers (send to headers: the client's send and connection, and the serving process's
+authentication, parsing and tokenization, the request's way to the engine, which it is handed to as the headers
+go out; the rest of TTFT is the engine's queue and first step and the chunk's way back);
 end-to-end latency (send to the stream's end, after the transcript is recorded); TPOT per request (first to
 last chunk over tokens - 1); inter-token latency: each chunk's gap to the previous chunk divided evenly over
 its tokens (SGLang's convention: --itl-tokens text counts them by re-encoding the chunk's text, exact for the
@@ -568,10 +571,12 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def point_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     """One load point: throughput over the span first send .. last stream end, and the latency figures."""
     ok = [r for r in records if not r.get("error") and r.get("chunks")]
-    ttft, e2e, itl, gaps, tpot = [], [], [], [], []
+    ttft, e2e, itl, gaps, tpot, headers = [], [], [], [], [], []
     for r in ok:
         times = [t for t, _ in r["chunks"]]
         ttft.append(times[0] - r["t_send"])
+        if "t_headers" in r:
+            headers.append(r["t_headers"] - r["t_send"])
         e2e.append(r["t_end"] - r["t_send"])
         step_gaps = [b - a for a, b in zip(times, times[1:])]
         gaps += step_gaps
@@ -583,7 +588,8 @@ def point_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     return {"requests": len(records), "completed": len(ok), "errors": len(records) - len(ok),
             "first_errors": [r["error"] for r in records if r.get("error")][:5],
             "seconds": span, "output_tokens": tokens, "output_tok_per_s": tokens / span if span else 0.0,
-            "req_per_s": len(ok) / span if span else 0.0, "ttft_s": dist(ttft), "e2e_s": dist(e2e),
+            "req_per_s": len(ok) / span if span else 0.0, "ttft_s": dist(ttft), "headers_s": dist(headers),
+            "e2e_s": dist(e2e),
             "tpot_s": dist(tpot), "itl_s": dist(itl), "chunk_gap_s": dist(gaps),
             "samples": {"ttft_s": [round(x, 5) for x in ttft], "e2e_s": [round(x, 5) for x in e2e]}}
 
@@ -859,6 +865,7 @@ async def _stream_one(client: Any, task: dict[str, Any], spec: dict[str, Any],
             temperature=task["temperature"], top_p=spec["top_p"], seed=spec["seed"], stream=True,
             **({"logprobs": 0} if task["count"] == "logprobs" else {}),
             extra_body={"deterministic": spec["det"], "ignore_eos": True})
+        rec["t_headers"] = time.monotonic()  # the service prepared the request: generation starts now
         rec["transcript_id"] = raw.headers.get("verbatim-transcript-id")
         stream = raw.parse()
         stream = await stream if inspect.isawaitable(stream) else stream
@@ -1112,7 +1119,8 @@ class Run:
             m["engine"] = engine_delta(before, engine_counters(self.service.url), m["seconds"])
             self.result["ramp"]["modes"][name]["saturation"] = self.saturation(name)
             log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
-                f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])}, ITL p50 {fmt(m['itl_s']['p50'])}, "
+                f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])} (headers p50 "
+                f"{fmt(m['headers_s']['p50'])} max {fmt(m['headers_s']['max'])}), ITL p50 {fmt(m['itl_s']['p50'])}, "
                 f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}, "
                 f"engine busy {fmt(m['engine'].get('busy'), 3)} commands {fmt(m['engine'].get('commands'), 3)} "
                 f"publish {fmt(m['engine'].get('publish'), 3)} idle {fmt(m['engine'].get('idle'), 3)} over "
@@ -1222,8 +1230,8 @@ class Run:
             finite = sorted((p["offered_req_per_s"], k) for k, p in points.items() if k != "inf" and "ttft_s" in p)
             sat, top = points.get("inf", {}), points.get(finite[-1][1], {}) if finite else {}
             rows[name] = {**mode.get("saturation", {}), "service_req_per_s": sat.get("req_per_s"),
-                          **{f"saturation_{m}_{q}": (sat.get(m) or {}).get(q) for m in ("ttft_s", "itl_s", "e2e_s")
-                             for q in ("p50", "p99")},
+                          **{f"saturation_{m}_{q}": (sat.get(m) or {}).get(q)
+                             for m in ("ttft_s", "headers_s", "itl_s", "e2e_s") for q in ("p50", "p99")},
                           "highest_rate_req_per_s": finite[-1][0] if finite else None,
                           **{f"highest_rate_{m}_{q}": (top.get(m) or {}).get(q) for m in ("ttft_s", "itl_s", "e2e_s")
                              for q in ("p50", "p99")}}

@@ -66,8 +66,10 @@ def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: d
             point = mode["points"][key]
             assert point["requests"] == point["completed"] == count and point["errors"] == 0
             assert point["output_tok_per_s"] > 0 and point["req_per_s"] > 0 and point["service_cores"] > 0
-            for metric in ("ttft_s", "e2e_s", "itl_s", "tpot_s", "chunk_gap_s"):
+            for metric in ("ttft_s", "headers_s", "e2e_s", "itl_s", "tpot_s", "chunk_gap_s"):
                 assert 0 <= point[metric]["p50"] <= point[metric]["p99"] <= point[metric]["max"], (name, key, metric)
+            # the headers go out before the first token, which comes before the end
+            assert point["headers_s"]["n"] == count and point["headers_s"]["max"] <= point["ttft_s"]["max"]
             assert len(point["samples"]["ttft_s"]) == count
         # ignore_eos: the same requests give the same number of tokens through the API and the engine alone
         assert mode["points"]["inf"]["output_tokens"] == engine["core"]["output_tokens"]
