@@ -39,7 +39,7 @@ for name in sorted(os.listdir(src), key=lambda n: -os.path.getsize(os.path.join(
     shutil.copy(os.path.join(src, name), f".gpu/whl-{part}/")
 PY
 # the model in three parts of at most 40 MB (part-aa, part-ab, part-ac), from gpu-prep's two or from these three
-if [ ! -d .gpu/model-c ]; then
+if [ ! -d .gpu/model-c ] || [ "$(stat -c %s .gpu/model-a/part-aa)" -gt 40000000 ]; then  # (gpu-prep ran again)
   cat .gpu/model-a/part-* .gpu/model-b/part-* > "$tmp/model.gguf"
   rm -rf .gpu/model-a .gpu/model-b
   mkdir -p .gpu/model-a .gpu/model-b .gpu/model-c

@@ -575,7 +575,7 @@ def point_metrics(records: list[dict[str, Any]]) -> dict[str, Any]:
     for r in ok:
         times = [t for t, _ in r["chunks"]]
         ttft.append(times[0] - r["t_send"])
-        if "t_headers" in r:
+        if "t_headers" in r:  # through the API (the engine alone's records have no headers)
             headers.append(r["t_headers"] - r["t_send"])
         e2e.append(r["t_end"] - r["t_send"])
         step_gaps = [b - a for a, b in zip(times, times[1:])]
@@ -727,7 +727,8 @@ def engine_delta(before: dict[str, Any], after: dict[str, Any], seconds: float) 
     """How ENGINE_COUNTERS moved over a run of `seconds`, and the shares of those seconds the engine loop spent in
     its steps ("busy": step_seconds / seconds), on its commands ("commands": requests added, aborts) and handing
     out its steps' outputs ("publish"): the rest ("idle") it waited for work with none, or ran the loop itself.
-    The three only grow while the engine has work, so counters read around a run time the run alone."""
+    The three grow only while the engine has requests to take or to run, so counters read around a run time the
+    run alone."""
     delta: dict[str, Any] = {k: after[k] - before[k] for k in ENGINE_COUNTERS if k in before and k in after}
     for counter, share in (("step_seconds", "busy"), ("command_seconds", "commands"), ("publish_seconds", "publish")):
         if counter in delta:

@@ -798,8 +798,6 @@ class _EngineLoop:
     def run(self) -> None:
         totals = self.core.totals
         while not self.stop and self.clients.conns:
-            if not self.core.has_work():
-                self.clients.flush(block=True)  # before waiting: every step's outputs go out
             commands = self._commands(0 if self.core.has_work() else 0.05)
             if self.stop or not self.clients.conns:
                 continue
@@ -922,6 +920,8 @@ class _EngineLoop:
         return len(closed)
 
     def _send_steps(self, by_client: dict[int, list[Delta]], stats: EngineStats | None) -> None:
+        """Queue the step messages and send what the connections take; every queue once the engine has no work
+        (the only producer of step messages, so nothing stays queued while the engine waits)."""
         for client in (list(self.clients.conns) if stats is not None else by_client):
             self.clients.send_step(client, by_client.get(client, []), stats)
         self.clients.flush(block=not self.core.has_work())

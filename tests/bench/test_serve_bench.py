@@ -88,8 +88,8 @@ def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: d
         # the service's engine loop: its idle and publishing shares beside the steps' (the core's loop has neither)
         assert mode["saturation"]["service_engine_publish"] == sat_engine["publish"] > 0
         assert mode["saturation"]["service_engine_commands"] == sat_engine["commands"] > 0
-        assert sat_engine["busy"] + sat_engine["commands"] + sat_engine["publish"] + sat_engine["idle"] \
-            == pytest.approx(1.0, abs=1e-3) or sat_engine["idle"] == 0
+        # the loop's counted time fits in the point's span (waits for commands are not counted)
+        assert sat_engine["busy"] + sat_engine["commands"] + sat_engine["publish"] <= 1.01
         assert core_engine["command_seconds"] == core_engine["publish_seconds"] == 0
         assert mode["saturation"]["core_steps_per_100_tokens"] > 0
         assert mode["saturation"]["service_steps_per_100_tokens"] > 0
