@@ -46,6 +46,8 @@
 #               synthetic 8B (bench/schema_mix_bench.py; SCHEMA_MODELS picks some of "smollm2 8b")
 #                                                           -> schema-mix-smollm2.json, schema-mix-8b.json
 #   proctests   the gpu tests of the logits processors and grammars -> gpu-pytest-processors.txt
+#   contention  SmolLM2's engine core under CPU load from other processes, with and without a core of its own:
+#               bench/contention_probe.py                 -> contention-probe.json
 #   serveprof   SmolLM2 through the API with py-spy on the service's processes during the saturation runs, and
 #               every Python process of the run sampled by bench/profiling/sitecustomize.py
 #               -> serve-profile.txt, serve-profiles.tgz (serve-top.txt, serve-threads.txt, prof/<pid>.txt), the JSON
@@ -226,6 +228,11 @@ stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service'
   tar czf "$OUT/serve-profiles.tgz" -C "$OUT" prof serve-top.txt serve-threads.txt py-spy.log 2>/dev/null \
     && rm -rf "$OUT/prof" "$OUT/serve-top.txt" "$OUT/serve-threads.txt"
   grep -v Warn "$OUT/serve-bench-profiled.log" | tail -20
+}
+
+stage_contention() {  # the engine core's step under CPU load, placed and not (bench/contention_probe.py; ~150 s)
+  timeout "${CONTENTION_TIMEOUT:-240}" python3 bench/contention_probe.py --model "$GGUF" --out "$OUT" \
+    2>&1 | grep -v Warn | tail -12
 }
 
 stage_chunks() {  # issue 26: chunked canonical prefill GEMMs (canonical_prefill_chunk_tokens = CHUNK, 256) on the
