@@ -72,6 +72,11 @@ class Settings:
         0, "HTTP worker processes serving the API on one port, all sharing one engine process, the database and "
         "the data directory; 0: automatic (1 on a host without CUDA or when engine_process is off; on a CUDA host "
         "a quarter of the CPU cores, from 1 to 8)")
+    engine_cpus: str = _setting(
+        "auto", "the CPUs the engine process runs on when worker processes share it, the workers taking the others: "
+        "a CPU list such as '14-15'; 'auto': on a CUDA host with at least 8 CPUs, one physical core (two where a "
+        "core has one hardware thread; engine/placement.py), so that the workers and other processes on the "
+        "host do not slow the engine's step; 'off': wherever the kernel puts them")
     engine_factory: str | None = _setting(
         None, "module:callable building the engine from the Settings instead of engine.AsyncEngine (tests run "
         "several server processes on a small fake engine this way)")
@@ -108,6 +113,13 @@ class Settings:
         if self.workers > 1 and not self.engine_process and not self.engine_factory:
             raise ValueError(f"workers: {self.workers} worker processes share one engine process, so engine_process "
                              "must be on")
+        if self.engine_cpus not in ("auto", "off"):
+            from engine.placement import parse_cpus
+
+            try:
+                parse_cpus(self.engine_cpus)
+            except ValueError as exc:
+                raise ValueError(f"engine_cpus: {exc}; or 'auto' or 'off'") from None
         if self.replay_max_queued < 1:
             raise ValueError(f"replay_max_queued must be >= 1, got {self.replay_max_queued}")
         if self.rate_limit_per_second <= 0 or self.rate_limit_burst < 1:

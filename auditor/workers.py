@@ -10,6 +10,10 @@ half of CPU per completion. ``serve`` therefore runs, on a CUDA host, several wo
                           kernel spreads connections evenly over the workers); its engine is an
                           EngineProcess client on its pipe
 
+On such a host the engine process gets a physical core of its own and the workers the other CPUs
+(``settings.engine_cpus``, engine/placement.py): a small model's step is the engine thread's Python, and with the
+workers and other processes free to run on its CPU it took 1.5x as long (bench/contention_probe.py).
+
 The workers share what a replica shares (docs/replicas.md): the database (on SQLite, one file on this host;
 appends take the database's write lock first), the key directory, and, in ``settings.run_dir``, the rate
 limit buckets (``FileRateLimiter``), the console sessions (litestar's ``FileStore``) and the Prometheus
@@ -53,6 +57,27 @@ def resolved_workers(settings: Settings) -> int:
     if not torch.cuda.is_available():
         return 1
     return max(1, min(8, (os.cpu_count() or 1) // 4))
+
+
+def engine_cpus(settings: Settings) -> list[int] | None:
+    """The engine process's CPUs under ``settings.engine_cpus`` (None: no placement): a list as given; 'auto'
+    on a CUDA device with enough CPUs, engine.placement.plan_cpus. A list must leave the workers a CPU."""
+    from engine import placement
+
+    if settings.engine_cpus == "off" or settings.engine_factory:
+        return None
+    if settings.engine_cpus != "auto":
+        cpus = placement.parse_cpus(settings.engine_cpus)
+        allowed = placement.allowed_cpus()
+        if not set(cpus) <= set(allowed) or set(cpus) == set(allowed):
+            raise ValueError(f"engine_cpus: {settings.engine_cpus!r} must be some, not all, of the CPUs this "
+                             f"process may use ({allowed})")
+        return cpus
+    if settings.device == "cpu":
+        return None
+    import torch
+
+    return placement.plan_cpus() if torch.cuda.is_available() else None
 
 
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:
@@ -105,13 +130,22 @@ def serve_workers(settings: Settings, workers: int, *, stop_on_load_error: bool)
     socks = listen_sockets(settings.host, settings.port, workers)
     host = None
     connections: list[Any] = [None] * workers
+    cpus = engine_cpus(settings)
+    worker_cpus = None
+    if cpus:
+        from engine.placement import allowed_cpus, pin_self
+
+        worker_cpus = [c for c in allowed_cpus() if c not in cpus]
+        pin_self(worker_cpus)  # this process too; the workers it starts inherit the set
+        log.info("engine process on CPUs %s, workers on %s", cpus, worker_cpus,
+                 extra={"event": "placement", "engine_cpus": cpus, "worker_cpus": worker_cpus})
     if not settings.engine_factory:
         from engine.cli import engine_config
         from engine.engine_process import EngineHost
 
         config = engine_config({**settings.engine_options, "model": settings.model, "device": settings.device,
                                 "tensor_parallel_size": settings.tensor_parallel_size})
-        host = EngineHost(config, workers)
+        host = EngineHost(config, workers, cpus=cpus)
         connections = list(host.connections)
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker_main, args=(settings, sock, conn, stop_on_load_error),

@@ -238,16 +238,24 @@ def engine_role(plan_path: str, result_path: str) -> int:
     from auditor.app import load_engine
     from auditor.settings import Settings
 
+    from auditor.workers import engine_cpus
+    from engine.placement import pin_self
+
     t0 = time.monotonic()
+    settings = Settings(model=plan["model"], device=plan["device"], engine_process=False,
+                        engine_options=plan["engine_options"])
+    # where the service places its engine process (serve's engine_cpus, at its default), this process runs too
+    cpus = engine_cpus(settings)
+    if cpus:
+        pin_self(cpus)
     # in this process (its EngineCore is driven directly); the service runs its engine in a process of its own
-    engine = load_engine(Settings(model=plan["model"], device=plan["device"], engine_process=False,
-                                  engine_options=plan["engine_options"]))
+    engine = load_engine(settings)
     core = engine.core
     vocab = min(core.shape.vocab_size, len(engine.tokenizer))
     tokenizer_dir = Path(plan["work_dir"]) / "tokenizer"
     engine.tokenizer.save_pretrained(str(tokenizer_dir))
     result: dict[str, Any] = {
-        "load_s": round(time.monotonic() - t0, 2), "device": device_info(core.config),
+        "load_s": round(time.monotonic() - t0, 2), "device": device_info(core.config), "engine_cpus": cpus,
         "engine_config": config_json(core.config), "graphs": getattr(core.runner, "graphs_status", None),
         "model": model_info_json(engine.model_info), "tokenizer_json": str(tokenizer_dir / "tokenizer.json"),
         "requests": request_pool(plan, vocab), "stream_prompts": stream_prompts(plan, vocab), "modes": {},
@@ -711,6 +719,20 @@ class Service:
         found = re.search(r"with (\d+) worker processes", head)
         return int(found.group(1)) if found else 1
 
+    def process_cpus(self) -> list[list[int]] | None:
+        """The CPUs each of the service's processes may run on (serve, then the processes it started, sorted):
+        with its engine placed, one process (the engine's) has a set of its own."""
+        if self.proc is None:
+            return None
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+            return [sorted(p.cpu_affinity()) for p in procs[:1]] + sorted(sorted(p.cpu_affinity()) for p in procs[1:])
+        except (psutil.Error, AttributeError):
+            return None
+
     def log_tail(self, chars: int = 4000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]
@@ -994,6 +1016,7 @@ class Run:
             raise RuntimeError(f"the engine-alone run wrote nothing (exit {code})")
         self.engine = json.loads(result_path.read_text())
         self.result["environment"]["device"] = self.engine["device"]
+        self.place_clients(self.engine.get("engine_cpus"))
         self.result["engine_alone"] = {
             "seconds": round(time.monotonic() - t0, 1), "exit_code": code,
             "load_s": self.engine["load_s"], "engine_config": self.engine["engine_config"],
@@ -1009,6 +1032,18 @@ class Run:
         if code != 0:
             self.result["errors"]["engine_alone"] = f"exit {code}"
 
+    def place_clients(self, engine_cpus: list[int] | None) -> None:
+        """The client processes stay off the CPUs the service gives its engine process: in use, clients run on
+        other hosts."""
+        from engine.placement import allowed_cpus, pin_process
+
+        others = [c for c in allowed_cpus() if c not in (engine_cpus or [])]
+        self.result["environment"]["engine_cpus"] = engine_cpus
+        self.result["environment"]["client_cpus"] = others if engine_cpus else None
+        if engine_cpus and others:
+            for proc in self.clients.procs:
+                pin_process(proc.pid, others)
+
     def start_service(self) -> None:
         self.key_future.result()
         ready_s = self.service.start(min(self.args.ready_timeout_s, max(30.0, self.left())))
@@ -1019,7 +1054,8 @@ class Run:
         self.served_model = models["data"][0]["id"]
         self.result["service"] = {"command": "python -m auditor serve --data-dir WORK/data --port PORT",
                                   "environment": self.service.environment(), "ready_s": round(ready_s, 2),
-                                  "served_model": self.served_model, "workers": self.service.workers()}
+                                  "served_model": self.served_model, "workers": self.service.workers(),
+                                  "process_cpus": self.service.process_cpus()}
         log(f"service ready in {ready_s:.1f} s at {self.service.url}; {self.args.clients} client processes")
         self.write()
 

@@ -183,8 +183,10 @@ class EngineHost:
     process holds its end any more. The constructor returns at once; each client waits for the model to load
     in `connect`."""
 
-    def __init__(self, config: EngineConfig | None = None, clients: int = 1, *, loader: Loader | None = None) -> None:
-        """`loader` (a module-level function, run in the engine process) replaces load_model."""
+    def __init__(self, config: EngineConfig | None = None, clients: int = 1, *, loader: Loader | None = None,
+                 cpus: list[int] | None = None) -> None:
+        """`loader` (a module-level function, run in the engine process) replaces load_model. `cpus`: the CPUs
+        the engine process runs on (engine.placement; None: any)."""
         if clients < 1:
             raise ValueError(f"clients: {clients} (at least 1)")
         self.config = config or EngineConfig()
@@ -195,7 +197,7 @@ class EngineHost:
         # not a daemon: the engine process starts the tensor-parallel ranks itself. _stop_at_exit stops it before
         # multiprocessing's own exit handler joins it.
         self._proc = ctx.Process(target=_engine_main, args=(self.config, [theirs for _, theirs in pipes], control,
-                                                             loader), name="verbatim-engine")
+                                                             loader, cpus), name="verbatim-engine")
         self._proc.start()
         for _, theirs in pipes:
             theirs.close()
@@ -683,7 +685,12 @@ class _PipeLogHandler(logging.Handler):
             pass
 
 
-def _engine_main(config: EngineConfig, conns: list[Connection], control: Connection, loader: Loader | None) -> None:
+def _engine_main(config: EngineConfig, conns: list[Connection], control: Connection, loader: Loader | None,
+                 cpus: list[int] | None = None) -> None:
+    if cpus:  # before torch starts its threads: they inherit the set
+        from engine.placement import pin_self
+
+        pin_self(cpus)
     # Ctrl-C reaches the whole process group: the serving processes shut down gracefully, finishing the
     # requests in flight, and then stop this one (stop, or their connections closing); it must not die first.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

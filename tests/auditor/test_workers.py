@@ -24,7 +24,7 @@ import pytest
 
 from auditor.ratelimit import FileRateLimiter
 from auditor.settings import Settings
-from auditor.workers import listen_sockets, resolved_workers
+from auditor.workers import engine_cpus, listen_sockets, resolved_workers
 from tests.auditor.processes import Process
 from tests.auditor.replicas_support import FAKE_ENGINE
 from tests.auditor.conftest import REAL_ENGINE_OPTIONS, free_port
@@ -71,6 +71,16 @@ def test_workers_settings_are_checked() -> None:
     assert resolved_workers(Settings(workers=3)) == 3
     assert resolved_workers(Settings(device="cpu")) == 1
     assert resolved_workers(Settings(engine_process=False)) == 1
+    for bad in ("all", "1-", "", "2;3"):
+        with pytest.raises(ValueError, match="engine_cpus: not a CPU list"):
+            Settings(engine_cpus=bad)
+    assert engine_cpus(Settings(engine_cpus="off")) is None
+    assert engine_cpus(Settings(device="cpu")) is None  # 'auto' places the engine on CUDA hosts only
+    everything = ",".join(map(str, os.sched_getaffinity(0)))
+    with pytest.raises(ValueError, match="must be some, not all, of the CPUs"):
+        engine_cpus(Settings(engine_cpus=everything))
+    with pytest.raises(ValueError, match="must be some, not all, of the CPUs"):
+        engine_cpus(Settings(engine_cpus="4096"))
 
 
 def _children(server: Process) -> list[Any]:
@@ -194,13 +204,19 @@ def test_workers_share_one_real_engine_and_its_bits(tmp_path: Path) -> None:
     and the same deterministic request gives the same token ids and logprobs, bit for bit, on every connection."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
+    cpus = sorted(os.sched_getaffinity(0))
     env = {"VERBATIM_DATA_DIR": str(tmp_path / "data"), "VERBATIM_WORKERS": "2", "VERBATIM_PORT": str(port),
-           "VERBATIM_LOG_LEVEL": "WARNING", "VERBATIM_ENGINE_OPTIONS": json.dumps(REAL_ENGINE_OPTIONS)}
+           "VERBATIM_LOG_LEVEL": "WARNING", "VERBATIM_ENGINE_OPTIONS": json.dumps(REAL_ENGINE_OPTIONS),
+           # the engine process on the last CPU, the workers on the others (a CUDA host's 'auto' does this)
+           "VERBATIM_ENGINE_CPUS": str(cpus[-1]) if len(cpus) > 1 else "off"}
     server = Process(("serve",), tmp_path / "serve.log", env).start()
     try:
         server.wait_http(url + "/readyz", timeout=240)
         children = _children(server)
         assert len(children) == 3, children  # the engine process and two workers
+        if len(cpus) > 1:
+            placed = sorted(sorted(p.cpu_affinity()) for p in children)
+            assert placed == sorted([cpus[:-1], cpus[:-1], [cpus[-1]]]), placed
         key = _admin_key(server.output())
         body = {"model": "SmolLM2-135M-Instruct.Q4_1", "prompt": "The capital of France is", "max_tokens": 6,
                 "seed": 11, "temperature": 0.9, "logprobs": 1, "deterministic": True}
