@@ -276,6 +276,10 @@ def main(argv: list[str] | None = None) -> None:
     }
     if a.device != "cuda":
         torch.set_num_threads(1)  # a shared CPU: OpenMP barriers stall on busy sibling cores
+    else:
+        from engine.placement import place_engine_here
+
+        result["engine_cpus"] = place_engine_here()  # where the service runs its engine process
     a.out.mkdir(parents=True, exist_ok=True)
     sections = {"smollm2": smollm2_section, "synthetic": synthetic_section}
     for name in a.models.split(","):

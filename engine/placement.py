@@ -98,3 +98,20 @@ def pin_process(pid: int, cpus: list[int]) -> None:
 def pin_self(cpus: list[int]) -> None:
     """This process, all its threads, onto ``cpus``."""
     pin_process(os.getpid(), cpus)
+
+
+def place_engine_here() -> list[int] | None:
+    """Put this process where ``serve`` puts its engine process (a benchmark driving the engine in its own
+    process runs it as the service does): on a CUDA host, the CPUs of VERBATIM_ENGINE_CPUS (a CPU list, 'auto'
+    when unset: ``plan_cpus``; 'off': none). Returns the CPUs, or None where it stays."""
+    setting = os.environ.get("VERBATIM_ENGINE_CPUS", "auto").strip()
+    if setting == "off":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    cpus = plan_cpus() if setting == "auto" else parse_cpus(setting)
+    if cpus:
+        pin_self(cpus)
+    return cpus

@@ -269,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    result: dict[str, Any] = {"environment": environment(argv)}
+    from engine.placement import place_engine_here
+
+    result: dict[str, Any] = {"environment": {**environment(argv), "engine_cpus": place_engine_here()}}
     kernels = args.kernels
     result["plan"] = {"sections": args.section_names, "sampling": args.sampling, "deadline_s": args.deadline_s, "budgets_s": args.budgets,
                       # the rows from which decode graphs use cuBLASLt, in every engine and graph of this run
