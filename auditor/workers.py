@@ -61,7 +61,8 @@ def resolved_workers(settings: Settings) -> int:
 
 def engine_cpus(settings: Settings) -> list[int] | None:
     """The engine process's CPUs under ``settings.engine_cpus`` (None: no placement): a list as given; 'auto'
-    on a CUDA device with enough CPUs, engine.placement.plan_cpus. A list must leave the workers a CPU."""
+    on a CUDA device with enough CPUs and one rank, engine.placement.plan_cpus (tensor-parallel ranks start from
+    the engine process and would share its core). A list must leave the workers a CPU."""
     from engine import placement
 
     if settings.engine_cpus == "off" or settings.engine_factory:
@@ -73,7 +74,7 @@ def engine_cpus(settings: Settings) -> list[int] | None:
             raise ValueError(f"engine_cpus: {settings.engine_cpus!r} must be some, not all, of the CPUs this "
                              f"process may use ({allowed})")
         return cpus
-    if settings.device == "cpu":
+    if settings.device == "cpu" or settings.tensor_parallel_size > 1:  # the ranks' processes would share its core
         return None
     import torch
 

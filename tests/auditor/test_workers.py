@@ -76,6 +76,7 @@ def test_workers_settings_are_checked() -> None:
             Settings(engine_cpus=bad)
     assert engine_cpus(Settings(engine_cpus="off")) is None
     assert engine_cpus(Settings(device="cpu")) is None  # 'auto' places the engine on CUDA hosts only
+    assert engine_cpus(Settings(tensor_parallel_size=2)) is None  # and with one rank
     everything = ",".join(map(str, os.sched_getaffinity(0)))
     with pytest.raises(ValueError, match="must be some, not all, of the CPUs"):
         engine_cpus(Settings(engine_cpus=everything))
