@@ -72,7 +72,8 @@ def test_every_setting_is_a_serve_flag() -> None:
               "redis_url": "redis://127.0.0.1:6379/0", "key_reload_interval": "2.5",
               "witnesses": '[{"url": "http://127.0.0.1:8090", "vkey": "%s"}]' % VKEY, "witness_quorum": "1",
               "witness_interval": "0.5", "witness_timeout": "3", "api_key_cache_seconds": "0.5",
-              "log_check_interval_seconds": "60", "tensor_parallel_size": "2", "workers": "3"}
+              "log_check_interval_seconds": "60", "tensor_parallel_size": "2", "workers": "3",
+              "engine_cpus": "6-7,14"}
     argv = ["serve", "--no-deterministic-default", "--no-bootstrap-admin", "--keep-serving-on-load-error",
             "--no-engine-process"]
     for name, value in values.items():
@@ -87,7 +88,7 @@ def test_every_setting_is_a_serve_flag() -> None:
                         redis_url="redis://127.0.0.1:6379/0", key_reload_interval=2.5,
                         witnesses=(("http://127.0.0.1:8090", VKEY),), witness_quorum=1, witness_interval=0.5,
                         witness_timeout=3.0, api_key_cache_seconds=0.5, log_check_interval_seconds=60.0,
-                        tensor_parallel_size=2, workers=3)
+                        tensor_parallel_size=2, workers=3, engine_cpus="6-7,14")
     assert settings == expected
     assert {f.name for f in dataclasses.fields(Settings)} == {*values, "deterministic_default", "bootstrap_admin",
                                                               "keep_serving_on_load_error", "engine_process"}
