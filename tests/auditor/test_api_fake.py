@@ -501,3 +501,36 @@ async def test_logprobs_plain_and_streamed(fake_server: LiveServer) -> None:
     chat_pieces = [c["choices"][0]["logprobs"]["content"] for c in chat_streamed
                    if c["choices"] and c["choices"][0]["logprobs"]]
     assert [t["logprob"] for t in sum(chat_pieces, [])] == [t["logprob"] for t in chat_plain["content"]]
+
+
+def test_short_prompts_are_tokenized_in_the_event_loop_and_long_ones_in_a_thread() -> None:
+    from auditor.service import INLINE_TOKENIZE_CHARS, GenerationRequest, _short
+    from auditor.transcript import Api
+
+    def request(prompt: Any = None, messages: Any = None) -> GenerationRequest:
+        return GenerationRequest(api=Api.COMPLETIONS, model=MODEL, prompt=prompt, messages=messages, max_tokens=4,
+                                 temperature=1, top_p=1, top_k=0, min_p=0, seed=None, stop=None, ignore_eos=False,
+                                 logprobs=None, deterministic=False, stream=False, include_usage=False,
+                                 request_json={})
+
+    n = INLINE_TOKENIZE_CHARS
+    assert _short(request("x" * n)) and not _short(request("x" * (n + 1)))
+    assert _short(request(list(range(n)))) and not _short(request(list(range(n + 1))))
+    half = {"role": "user", "content": "y" * (n // 2 - 4)}
+    assert _short(request(messages=[half, half])) and not _short(request(messages=[half, half, half]))
+
+
+async def test_a_long_prompt_is_tokenized_as_a_short_one_is(fake_server: LiveServer) -> None:
+    """Both ways to the tokenizer (inline up to INLINE_TOKENIZE_CHARS, a thread above) count the same tokens
+    (the fake tokenizer: one a character; the fake model takes 512 and the server 4096, so both are refused,
+    naming the count)."""
+    from auditor.service import INLINE_TOKENIZE_CHARS
+
+    n = INLINE_TOKENIZE_CHARS
+    async with fake_server.client(fake_server.keys["client"]) as client:
+        inline = await client.post("/v1/completions", json=completion(prompt="z" * n, max_tokens=2))
+        threaded = await client.post("/v1/completions", json=completion(prompt="z" * (n + 1), max_tokens=2))
+    assert inline.status_code == 400, inline.text
+    assert f"prompt ({n}) + max_tokens (2) exceeds" in inline.json()["error"]["message"]
+    assert threaded.status_code == 413, threaded.text
+    assert f"prompt has {n + 1} tokens" in threaded.json()["error"]["message"]
