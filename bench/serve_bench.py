@@ -243,7 +243,8 @@ def engine_role(plan_path: str, result_path: str) -> int:
 
     t0 = time.monotonic()
     settings = Settings(model=plan["model"], device=plan["device"], engine_process=False,
-                        engine_options=plan["engine_options"])
+                        engine_options=plan["engine_options"],
+                        engine_cpus=os.environ.get("VERBATIM_ENGINE_CPUS", "auto"))  # as the service reads it
     # where the service places its engine process (serve's engine_cpus, at its default), this process runs too
     cpus = engine_cpus(settings)
     if cpus:
