@@ -74,9 +74,9 @@ class Settings:
         "a quarter of the CPU cores, from 1 to 8)")
     engine_cpus: str = _setting(
         "auto", "the CPUs the engine process runs on when worker processes share it, the workers taking the others: "
-        "a CPU list such as '14-15'; 'auto': on a CUDA host with at least 8 CPUs and tensor_parallel_size 1, one physical core (two where a "
-        "core has one hardware thread; engine/placement.py), so that the workers and other processes on the "
-        "host do not slow the engine's step; 'off': wherever the kernel puts them")
+        "a CPU list such as '14-15'; 'auto': on a CUDA host with at least 8 CPUs and tensor_parallel_size 1, one "
+        "physical core (two where a core has one hardware thread; engine/placement.py), so that the workers and "
+        "other processes on the host do not slow the engine's step; 'off': wherever the kernel puts them")
     engine_factory: str | None = _setting(
         None, "module:callable building the engine from the Settings instead of engine.AsyncEngine (tests run "
         "several server processes on a small fake engine this way)")

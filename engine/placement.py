@@ -83,7 +83,10 @@ def plan_cpus(topology: list[dict[str, Any]] | None = None, *,
 
 
 def pin_process(pid: int, cpus: list[int]) -> None:
-    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit their starter's set)."""
+    """Every thread of process ``pid`` onto ``cpus`` (threads it starts later inherit their starter's set).
+    Where the platform has no CPU affinity, nothing moves."""
+    if not hasattr(os, "sched_setaffinity"):
+        return
     try:
         tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
     except OSError:
