@@ -12,7 +12,7 @@ half of CPU per completion. ``serve`` therefore runs, on a CUDA host, several wo
 
 On such a host the engine process gets a physical core of its own and the workers the other CPUs
 (``settings.engine_cpus``, engine/placement.py): a small model's step is the engine thread's Python, and with the
-workers and other processes free to run on its CPU it took 1.5x as long (bench/contention_probe.py).
+workers and other processes free to run on its CPU it took 1.3-1.6x as long (bench/contention_probe.py).
 
 The workers share what a replica shares (docs/replicas.md): the database (on SQLite, one file on this host;
 appends take the database's write lock first), the key directory, and, in ``settings.run_dir``, the rate
