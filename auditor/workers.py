@@ -60,25 +60,13 @@ def resolved_workers(settings: Settings) -> int:
 
 
 def engine_cpus(settings: Settings) -> list[int] | None:
-    """The engine process's CPUs under ``settings.engine_cpus`` (None: no placement): a list as given; 'auto'
-    on a CUDA device with enough CPUs and one rank, engine.placement.plan_cpus (tensor-parallel ranks start from
-    the engine process and would share its core). A list must leave the workers a CPU."""
-    from engine import placement
+    """The engine process's CPUs under ``settings.engine_cpus`` (engine.placement.resolve_cpus); None with an
+    engine factory (no engine process)."""
+    from engine.placement import resolve_cpus
 
-    if settings.engine_cpus == "off" or settings.engine_factory:
+    if settings.engine_factory:
         return None
-    if settings.engine_cpus != "auto":
-        cpus = placement.parse_cpus(settings.engine_cpus)
-        allowed = placement.allowed_cpus()
-        if not set(cpus) <= set(allowed) or set(cpus) == set(allowed):
-            raise ValueError(f"engine_cpus: {settings.engine_cpus!r} must be some, not all, of the CPUs this "
-                             f"process may use ({allowed})")
-        return cpus
-    if settings.device == "cpu" or settings.tensor_parallel_size > 1:  # the ranks' processes would share its core
-        return None
-    import torch
-
-    return placement.plan_cpus() if torch.cuda.is_available() else None
+    return resolve_cpus(settings.engine_cpus, settings.device, settings.tensor_parallel_size)
 
 
 def listen_sockets(host: str, port: int, count: int) -> list[socket.socket]:

@@ -32,7 +32,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.serve_bench import _warm_core, core_run, request_pool  # noqa: E402
-from engine.placement import cpu_topology, pin_process, plan_cpus  # noqa: E402
+from engine.placement import cpu_topology, pin_self, plan_cpus  # noqa: E402
 
 
 def _burn(cpus: list[int] | None, stop: Any) -> None:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def run(name: str, busy: int, placed: bool, threads: int) -> None:
         torch.set_num_threads(threads)
-        pin_process(os.getpid(), engine_cpus if placed and engine_cpus else all_cpus)
+        pin_self(engine_cpus if placed and engine_cpus else all_cpus)
         stop = ctx.Event()
         procs = [ctx.Process(target=_burn, args=(others if placed else None, stop), daemon=True) for _ in range(busy)]
         for proc in procs:

@@ -237,20 +237,13 @@ def engine_role(plan_path: str, result_path: str) -> int:
     out_path = Path(result_path)
     from auditor.app import load_engine
     from auditor.settings import Settings
-
-    from auditor.workers import engine_cpus
-    from engine.placement import pin_self
+    from engine.placement import place_engine_here
 
     t0 = time.monotonic()
-    settings = Settings(model=plan["model"], device=plan["device"], engine_process=False,
-                        engine_options=plan["engine_options"],
-                        engine_cpus=os.environ.get("VERBATIM_ENGINE_CPUS", "auto"))  # as the service reads it
-    # where the service places its engine process (serve's engine_cpus, at its default), this process runs too
-    cpus = engine_cpus(settings)
-    if cpus:
-        pin_self(cpus)
+    cpus = place_engine_here(plan["device"])  # where the service places its engine process
     # in this process (its EngineCore is driven directly); the service runs its engine in a process of its own
-    engine = load_engine(settings)
+    engine = load_engine(Settings(model=plan["model"], device=plan["device"], engine_process=False,
+                                  engine_options=plan["engine_options"]))
     core = engine.core
     vocab = min(core.shape.vocab_size, len(engine.tokenizer))
     tokenizer_dir = Path(plan["work_dir"]) / "tokenizer"
@@ -729,8 +722,8 @@ class Service:
 
         try:
             root = psutil.Process(self.proc.pid)
-            procs = [root, *root.children(recursive=True)]
-            return [sorted(p.cpu_affinity()) for p in procs[:1]] + sorted(sorted(p.cpu_affinity()) for p in procs[1:])
+            started = sorted(sorted(p.cpu_affinity()) for p in root.children(recursive=True))
+            return [sorted(root.cpu_affinity()), *started]
         except (psutil.Error, AttributeError):
             return None
 

@@ -103,18 +103,30 @@ def pin_self(cpus: list[int]) -> None:
     pin_process(os.getpid(), cpus)
 
 
-def place_engine_here() -> list[int] | None:
-    """Put this process where ``serve`` puts its engine process (a benchmark driving the engine in its own
-    process runs it as the service does): on a CUDA host, the CPUs of VERBATIM_ENGINE_CPUS (a CPU list, 'auto'
-    when unset: ``plan_cpus``; 'off': none). Returns the CPUs, or None where it stays."""
-    setting = os.environ.get("VERBATIM_ENGINE_CPUS", "auto").strip()
+def resolve_cpus(setting: str, device: str = "auto", ranks: int = 1) -> list[int] | None:
+    """The engine process's CPUs under an ``engine_cpus`` setting (None: no placement): 'off' none; a CPU list as
+    given, which must be some, not all, of the CPUs this process may use; 'auto' ``plan_cpus`` on a CUDA device
+    with one rank (tensor-parallel ranks start from the engine process and would share its core)."""
     if setting == "off":
+        return None
+    if setting != "auto":
+        cpus, allowed = parse_cpus(setting), allowed_cpus()
+        if not set(cpus) <= set(allowed) or set(cpus) == set(allowed):
+            raise ValueError(f"engine_cpus: {setting!r} must be some, not all, of the CPUs this process may use "
+                             f"({allowed})")
+        return cpus
+    if device == "cpu" or ranks > 1:
         return None
     import torch
 
-    if not torch.cuda.is_available():
-        return None
-    cpus = plan_cpus() if setting == "auto" else parse_cpus(setting)
+    return plan_cpus() if torch.cuda.is_available() else None
+
+
+def place_engine_here(device: str = "auto") -> list[int] | None:
+    """Put this process where ``serve`` puts its engine process (a benchmark driving the engine in its own
+    process runs it as the service does), under VERBATIM_ENGINE_CPUS as ``serve`` reads it ('auto' when unset;
+    ``resolve_cpus``). Returns the CPUs, or None where it stays."""
+    cpus = resolve_cpus(os.environ.get("VERBATIM_ENGINE_CPUS", "auto").strip(), device)
     if cpus:
         pin_self(cpus)
     return cpus

@@ -50,6 +50,10 @@ def test_run_records_its_command_commit_device_and_plots(smoke: dict) -> None:
     # the service's settings as it got them, inherited ones included, and the worker processes it started
     assert doc["service"]["environment"]["VERBATIM_WORKERS"] == "1" and doc["service"]["workers"] == 1
     assert doc["service"]["environment"]["VERBATIM_MODEL"] == "synthetic:tiny:peaked"
+    # on the CPU nothing is placed: no engine CPUs, every service process on every allowed CPU
+    allowed = sorted(os.sched_getaffinity(0))
+    assert env["engine_cpus"] is None and env["client_cpus"] is None
+    assert doc["service"]["process_cpus"] and all(cpus == allowed for cpus in doc["service"]["process_cpus"])
     for png in ("smoke.png", "smoke-streams.png"):
         assert (smoke["out"] / png).read_bytes()[:4] == b"\x89PNG"
 

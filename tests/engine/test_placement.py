@@ -81,3 +81,15 @@ def _threads_then_wait(ready: object, done: object) -> None:
     ready.set()  # type: ignore[attr-defined]
     done.wait(60)  # type: ignore[attr-defined]
     stop.set()
+
+
+def test_a_setting_resolves_to_the_engines_cpus() -> None:
+    allowed = placement.allowed_cpus()
+    assert placement.resolve_cpus("off") is None
+    assert placement.resolve_cpus("auto", "cpu") is None           # 'auto' places an engine on CUDA only
+    assert placement.resolve_cpus("auto", "cuda", ranks=2) is None  # and with one rank
+    if len(allowed) > 1:
+        assert placement.resolve_cpus(str(allowed[-1]), "cpu") == [allowed[-1]]  # a list holds on any device
+    for taken in (",".join(map(str, allowed)), "4096"):
+        with pytest.raises(ValueError, match="must be some, not all, of the CPUs"):
+            placement.resolve_cpus(taken)
