@@ -96,26 +96,49 @@ def smollm2_prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
 
 
 class ProcessorTimer:
-    """Host seconds spent in the engine's processors (engine.core calls engine.processors.apply_processors)."""
+    """Host seconds spent in the engine's processors (engine.core calls engine.processors.apply_processors), and
+    of those, in the grammar library's mask fills (engine.processors.fill_masks), waiting for a staging buffer
+    (MaskStaging.take) and launching the library's mask kernel (xgrammar.apply_token_bitmask_inplace)."""
 
     def __init__(self) -> None:
-        import engine.core
+        import xgrammar
 
-        self.module = engine.core
-        self.original = engine.core.apply_processors
-        self.seconds = 0.0
+        import engine.core
+        import engine.processors
+
+        self.targets = [(engine.core, "apply_processors"), (engine.processors, "fill_masks"),
+                        (engine.processors.MaskStaging, "take"), (xgrammar, "apply_token_bitmask_inplace")]
+        self.originals = [getattr(owner, name) for owner, name in self.targets]
+        self.times = {name: 0.0 for _, name in self.targets}
+        self.calls = 0
+
+    @property
+    def seconds(self) -> float:
+        return self.times["apply_processors"]
+
+    def breakdown(self) -> dict[str, Any]:
+        return {"calls": self.calls, "fill_masks_s": round(self.times["fill_masks"], 4),
+                "staging_take_s": round(self.times["take"], 4),
+                "mask_kernel_launch_s": round(self.times["apply_token_bitmask_inplace"], 4)}
 
     def __enter__(self) -> ProcessorTimer:
-        def timed(*args: Any, **kw: Any) -> None:
-            t0 = time.perf_counter()
-            self.original(*args, **kw)
-            self.seconds += time.perf_counter() - t0
+        def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+            def timed(*args: Any, **kw: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return original(*args, **kw)
+                finally:
+                    self.times[name] += time.perf_counter() - t0
+                    self.calls += name == "apply_processors"
+            return timed
 
-        self.module.apply_processors = timed  # type: ignore[attr-defined]
+        for (owner, name), original in zip(self.targets, self.originals):
+            setattr(owner, name, wrap(name, original))
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        self.module.apply_processors = self.original  # type: ignore[attr-defined]
+        for (owner, name), original in zip(self.targets, self.originals):
+            setattr(owner, name, original)
 
 
 def _sync() -> None:
@@ -153,7 +176,7 @@ def timed_run(llm: Any, prompts: list[list[int]], out_lens: list[int], det: set[
                                                       "rollbacks", "recomputed_tokens") if k in after}
     return {"seconds": round(seconds, 4), "output_tok_per_s": round(tokens / seconds, 2), "committed_tokens": tokens,
             "finished": finished, "requests": len(seqs), "processor_host_s": round(timer.seconds, 4),
-            "stats": stats}
+            "processors": timer.breakdown(), "stats": stats}
 
 
 def run_model(make: Callable[[str], Any], prompts: list[list[int]], out_lens: list[int], a: argparse.Namespace,
