@@ -230,7 +230,8 @@ class GrammarState:
         # Masks already filled, by prefix length n: masks[n] is the mask after trail[:n] (int32 [words]).
         # `trail` is the longest sequence fed since it last diverged (ids is always a prefix of it), so a
         # rollback of the matcher keeps the masks past it: a verify window asks again for the prefixes the
-        # fast path filled. keep_masks: a row whose prefixes are asked for once (not verified) keeps none.
+        # fast path filled. keep_masks: a row whose prefixes are asked for once (not verified) keeps none, and no
+        # trail.
         self.keep_masks = keep_masks
         self.trail: list[int] = []
         self.masks: dict[int, np.ndarray] = {}
@@ -242,8 +243,13 @@ class GrammarState:
 
     def follow(self, outputs: Sequence[int], n: int, committed: int = 0) -> bool:
         """Move the state to outputs[:n]; True when it has accepted the stop token (only stop tokens follow)."""
-        self._follow(outputs, n)
-        self._fix(min(committed, n))
+        fed = len(self.ids)
+        if fed + 1 == n and self.fixed >= fed:  # a decode step past a committed prefix: one output to feed
+            self._feed(int(outputs[fed]))
+        else:
+            self._follow(outputs, n)
+        if committed > self.fixed:
+            self._fix(min(committed, n))
         return self.terminated
 
     def kept(self, outputs: Sequence[int], n: int, committed: int = 0) -> np.ndarray | None:
@@ -262,8 +268,9 @@ class GrammarState:
         """ids[:fixed] are committed: no slot before them is sampled again, so their masks go."""
         if fixed > self.fixed:
             self.fixed = fixed
-            for k in [k for k in self.masks if k < fixed]:
-                del self.masks[k]
+            if self.masks:
+                for k in [k for k in self.masks if k < fixed]:
+                    del self.masks[k]
 
     def _follow(self, outputs: Sequence[int], n: int) -> None:
         """Roll the matcher back to the longest common prefix of `ids` and outputs[:n], then feed the rest."""
@@ -277,21 +284,25 @@ class GrammarState:
                 self.terminated = bool(self.matcher.is_terminated())
             del self.ids[common:], self.accepted[common:]
         for t in outputs[common:n]:
-            t = int(t)
-            i = len(self.ids)
-            if i == len(self.trail):
-                self.trail.append(t)
-            elif self.trail[i] != t:  # the trail diverges at i: masks past i are stale
-                del self.trail[i:]
+            self._feed(int(t))
+
+    def _feed(self, t: int) -> None:
+        """Feed the matcher the next output `t` (ids grows by one)."""
+        if self.keep_masks:  # the trail serves only the kept masks
+            i, trail = len(self.ids), self.trail
+            if i == len(trail):
+                trail.append(t)
+            elif trail[i] != t:  # the trail diverges at i: masks past i are stale
+                del trail[i:]
                 for k in [k for k in self.masks if k > i]:
                     del self.masks[k]
-                self.trail.append(t)
-            # a terminated matcher rejects every token (the library logs a warning for each): skip it here
-            ok = not self.terminated and bool(self.matcher.accept_token(t))
-            if ok and t in self.info.stop_set:  # only a stop token terminates the matcher
-                self.terminated = bool(self.matcher.is_terminated())
-            self.accepted.append(ok)
-            self.ids.append(t)
+                trail.append(t)
+        # a terminated matcher rejects every token (the library logs a warning for each): skip it here
+        ok = not self.terminated and bool(self.matcher.accept_token(t))
+        if ok and t in self.info.stop_set:  # only a stop token terminates the matcher
+            self.terminated = bool(self.matcher.is_terminated())
+        self.accepted.append(ok)
+        self.ids.append(t)
 
 
 MaskRequest = tuple[GrammarState, Sequence[int], int, int, int]
@@ -311,7 +322,7 @@ def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
     for batch in _rounds(requests):
         matchers, rows, filled = [], [], []
         for state, outputs, n, committed, row in batch:
-            if (known := state.kept(outputs, n, committed)) is not None:
+            if state.keep_masks and (known := state.kept(outputs, n, committed)) is not None:
                 bits[row] = known
             elif state.follow(outputs, n, committed):
                 bits[row] = info.stop_mask

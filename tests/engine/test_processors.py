@@ -167,6 +167,29 @@ def test_grammar_mask_is_a_pure_function_of_the_prefix(info, smollm2_source) -> 
     assert _allowed(bm) == {2}  # after EOS: still only the stop tokens
 
 
+def test_decode_steps_feed_one_output_and_give_the_fresh_masks(info, smollm2_source) -> None:
+    """A row asked the way decode steps ask (the slot after all its outputs, every output committed) is fed one
+    output a step; each mask equals a fresh matcher's for that prefix, along an unacceptable token and past EOS,
+    with masks kept or not, and the state ends where one walk over the whole prefix ends."""
+    tok = smollm2_source.tokenizer
+    compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(PERSON)), info)
+    good = list(tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)) + [2]
+    bad = good[:7] + [tok.encode("zebra", add_special_tokens=False)[0]] + good[7:]
+    for outputs in (good, bad, good + [5, 2]):
+        walked = GrammarState(compiled, info)
+        walked.follow(outputs, len(outputs))
+        for keep in (False, True):
+            state = GrammarState(compiled, info, keep_masks=keep)
+            for n in range(len(outputs) + 1):
+                bm = torch.zeros((2, info.words), dtype=torch.int32)
+                fill_masks([(state, outputs, n, n, 1)], bm)
+                assert torch.equal(bm[1], _fresh(compiled, info, outputs, n)), (keep, n)
+            assert (state.ids, state.accepted, state.terminated, state.fixed) == \
+                (walked.ids, walked.accepted, walked.terminated, len(outputs)), keep
+            assert set(state.masks) <= {len(outputs)}  # the slots before the last are committed: none kept
+        assert walked.accepted.count(False) == (outputs is bad) + 2 * (len(outputs) == len(good) + 2)
+
+
 def _fresh(compiled, info, outputs: list[int], n: int) -> torch.Tensor:
     """The mask after outputs[:n] from a new state."""
     one = torch.zeros((1, info.words), dtype=torch.int32)
