@@ -34,11 +34,13 @@ import argparse
 import datetime as dt
 import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -241,15 +243,13 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
     """Host time of the processors per decode step of `rows` constrained rows (see the module docstring)."""
     import xgrammar as xgr
 
-    from bench.schema_mix_bench import SCHEMA, spread
-    from engine.grammar import PARALLEL_THREADS, GrammarSpec, GrammarState, compile_request_grammar, fill_masks
+    from bench.schema_mix_bench import SCHEMA
+    from engine.grammar import PARALLEL_THREADS, GrammarSpec, GrammarState, fill_masks
     from engine.processors import Slot, apply_processors
     from engine.sampling import SamplingParams
 
     spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
-    compiled, info = compile_request_grammar(spec, source.tokenizer, vocab, eos)
-    outputs = [(step_instance(source.tokenizer, j) + [eos[0]] * steps)[:steps] for j in range(rows)]
-    at = sorted(spread(batch, rows / batch, offset=1))  # the constrained rows' logits rows
+    compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, grammar=spec)
     prompt = [1, 2, 3]
     logits = torch.zeros((batch, vocab))
@@ -319,6 +319,70 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
     return out
 
 
+def step_rows(source: Any, vocab: int, eos: list[int], rows: int, steps: int, batch: int
+              ) -> tuple[Any, Any, list[list[int]], list[int]]:
+    """engine_steps' rows: SCHEMA compiled for the model, each row's outputs (an instance, then EOS to `steps`), and
+    the logits rows of the `rows` constrained rows among `batch`."""
+    from bench.schema_mix_bench import SCHEMA, spread
+    from engine.grammar import GrammarSpec, compile_request_grammar
+
+    compiled, info = compile_request_grammar(GrammarSpec("json_schema", json.dumps(SCHEMA)), source.tokenizer, vocab,
+                                             eos)
+    outputs = [(step_instance(source.tokenizer, j) + [eos[0]] * steps)[:steps] for j in range(rows)]
+    return compiled, info, outputs, sorted(spread(batch, rows / batch, offset=1))
+
+
+def grammar_at(rev: str) -> ModuleType:
+    """engine/grammar.py as it is at git revision `rev`, loaded as a module of its own."""
+    code = subprocess.run(["git", "show", f"{rev}:engine/grammar.py"], cwd=ROOT, capture_output=True, text=True,
+                          check=True).stdout
+    module = ModuleType(f"engine_grammar_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses look their module up
+    exec(compile(code, f"{rev}:engine/grammar.py", "exec"), module.__dict__)
+    return module
+
+
+def steps_against(source: Any, vocab: int, eos: list[int], rev: str, rows: int, steps: int, walks: int,
+                  batch: int = 64) -> dict[str, Any]:
+    """fill_masks per decode step of engine_steps' rows, this tree's engine.grammar against `rev`'s, the walks of
+    the two taken in turn (on a shared VM the speed drifts between runs more than a change moves it): per mode,
+    each side's mean µs per step of every walk, their fastest and median, and that both gave the same masks and
+    states (the other tree's module runs on this tree's compiled grammar and vocabulary)."""
+    import engine.grammar as here
+
+    there = grammar_at(rev)
+    compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
+
+    def walk(module: ModuleType, dvr: bool) -> tuple[float, list[torch.Tensor], list[list[int]]]:
+        states = [module.GrammarState(compiled, info, keep_masks=dvr) for _ in range(rows)]
+        masks, seconds = [], 0.0
+        for n in range(steps):
+            bitmask = torch.zeros((batch, info.words), dtype=torch.int32)
+            committed = (n // 32) * 32 if dvr else n
+            requests = [(s, out, n, committed, r) for out, s, r in zip(outputs, states, at)]
+            t0 = time.perf_counter()
+            module.fill_masks(requests, bitmask)
+            seconds += time.perf_counter() - t0
+            masks.append(bitmask)
+        return seconds / steps * 1e6, masks, [s.ids for s in states]
+
+    out: dict[str, Any] = {"against": rev, "rows": rows, "batch": batch, "steps": steps, "walks": walks}
+    for mode, dvr in (("nondeterministic", False), ("dvr", True)):
+        us: dict[str, list[float]] = {"this": [], "against": []}
+        for i in range(walks + 1):  # the first of each side warms it
+            order = [("this", here), ("against", there)][:: 1 if i % 2 else -1]
+            for side, module in order:
+                mean_us, _, _ = walk(module, dvr)
+                if i:
+                    us[side].append(round(mean_us, 2))
+        (_, a_masks, a_ids), (_, b_masks, b_ids) = walk(here, dvr), walk(there, dvr)
+        same = a_ids == b_ids and all(torch.equal(a, b) for a, b in zip(a_masks, b_masks))
+        out[mode] = {"same_masks_and_states": same,
+                     **{side: {"fastest_us": min(v), "median_us": statistics.median(v), "walks_us": v}
+                        for side, v in us.items()}}
+    return out
+
+
 def step_instance(tokenizer: Any, j: int) -> list[int]:
     """Row j's output under schema_mix_bench.SCHEMA: a valid instance, indented for odd j, tokenized."""
     kinds = ["person", "place", "thing", "event"]
@@ -341,6 +405,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="xgrammar compile threads (llguidance compiles lazily)")
     ap.add_argument("--rows", type=int, default=16, help="steps: constrained rows")
     ap.add_argument("--steps", type=int, default=96, help="steps: decode steps (outputs per row)")
+    ap.add_argument("--against", metavar="REV", help="also time the steps' fill_masks against engine/grammar.py at git "
+                    "revision REV, walks taken in turn (engine_steps_against)")
+    ap.add_argument("--walks", type=int, default=40, help="--against: walks of each side per mode")
     a = ap.parse_args(argv)
     parts = [p for p in a.parts.split(",") if p]
     if set(parts) - set(PARTS):
@@ -370,6 +437,9 @@ def main(argv: list[str] | None = None) -> None:
     if "steps" in parts:
         results["engine_steps"] = engine_steps(source, vocab, eos, a.repeats, a.rows, a.steps)
         print("steps", json.dumps(results["engine_steps"], indent=1), flush=True)
+    if a.against:
+        results["engine_steps_against"] = steps_against(source, vocab, eos, a.against, a.rows, a.steps, a.walks)
+        print("against", json.dumps(results["engine_steps_against"], indent=1), flush=True)
     write_result(results, a.out, a.name)
 
 

@@ -97,8 +97,9 @@ def smollm2_prompts(tokenizer: Any, lengths: list[int]) -> list[list[int]]:
 
 class ProcessorTimer:
     """Host seconds spent in the engine's processors (engine.core calls engine.processors.apply_processors), and
-    of those, in the grammar library's mask fills (engine.processors.fill_masks), waiting for a staging buffer
-    (MaskStaging.take) and launching the library's mask kernel (xgrammar.apply_token_bitmask_inplace)."""
+    of those, in following the outputs and filling the masks (engine.processors.fill_masks), waiting for a staging
+    buffer (MaskStaging.take) and in the library's mask kernel (xgrammar.apply_token_bitmask_inplace: on CUDA its
+    launch, on the CPU the kernel itself)."""
 
     def __init__(self) -> None:
         import xgrammar
@@ -110,16 +111,16 @@ class ProcessorTimer:
                         (engine.processors.MaskStaging, "take"), (xgrammar, "apply_token_bitmask_inplace")]
         self.originals = [getattr(owner, name) for owner, name in self.targets]
         self.times = {name: 0.0 for _, name in self.targets}
-        self.calls = 0
+        self.calls = {name: 0 for _, name in self.targets}
 
     @property
     def seconds(self) -> float:
         return self.times["apply_processors"]
 
     def breakdown(self) -> dict[str, Any]:
-        return {"calls": self.calls, "fill_masks_s": round(self.times["fill_masks"], 4),
+        return {"calls": self.calls["apply_processors"], "fill_masks_s": round(self.times["fill_masks"], 4),
                 "staging_take_s": round(self.times["take"], 4),
-                "mask_kernel_launch_s": round(self.times["apply_token_bitmask_inplace"], 4)}
+                "mask_kernel_s": round(self.times["apply_token_bitmask_inplace"], 4)}
 
     def __enter__(self) -> ProcessorTimer:
         def wrap(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -129,7 +130,7 @@ class ProcessorTimer:
                     return original(*args, **kw)
                 finally:
                     self.times[name] += time.perf_counter() - t0
-                    self.calls += name == "apply_processors"
+                    self.calls[name] += 1
             return timed
 
         for (owner, name), original in zip(self.targets, self.originals):

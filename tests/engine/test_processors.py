@@ -175,7 +175,7 @@ def test_decode_steps_feed_one_output_and_give_the_fresh_masks(info, smollm2_sou
     compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(PERSON)), info)
     good = list(tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)) + [2]
     bad = good[:7] + [tok.encode("zebra", add_special_tokens=False)[0]] + good[7:]
-    for outputs in (good, bad, good + [5, 2]):
+    for outputs, rejected in ((good, 0), (bad, 1), (good + [5, 2], 2)):  # after EOS every token is rejected
         walked = GrammarState(compiled, info)
         walked.follow(outputs, len(outputs))
         for keep in (False, True):
@@ -187,7 +187,7 @@ def test_decode_steps_feed_one_output_and_give_the_fresh_masks(info, smollm2_sou
             assert (state.ids, state.accepted, state.terminated, state.fixed) == \
                 (walked.ids, walked.accepted, walked.terminated, len(outputs)), keep
             assert set(state.masks) <= {len(outputs)}  # the slots before the last are committed: none kept
-        assert walked.accepted.count(False) == (outputs is bad) + 2 * (len(outputs) == len(good) + 2)
+        assert walked.accepted.count(False) == rejected
 
 
 def _fresh(compiled, info, outputs: list[int], n: int) -> torch.Tensor:
