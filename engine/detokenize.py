@@ -6,8 +6,10 @@ microseconds per request per step in Python, which at a few hundred running requ
 than a decode step on a GPU. For byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM2) decoding is the
 concatenation of each id's bytes, read as UTF-8 with invalid sequences replaced; `Detokenizer` keeps those
 bytes per id in a table and decodes with one join, after checking at construction that it gives exactly
-what `tokenizer.decode(ids, skip_special_tokens=True)` gives on a sample of ids and id sequences. Any
-other tokenizer, or one the check does not pass, is decoded by the tokenizer itself.
+what `tokenizer.decode(ids, skip_special_tokens=True)` gives on a sample of ids and id sequences, and on a
+text where `clean_up_tokenization_spaces` would change the decoded text (a tokenizer config may set the flag
+while the installed transformers ignores it for BPE: the check asks the tokenizer what it does). Any other
+tokenizer, or one the check does not pass, is decoded by the tokenizer itself.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ from typing import Any
 
 CHECK_SEQUENCES = 300        # random id sequences compared with tokenizer.decode at construction
 CHECK_SINGLE_IDS = 2000      # and single ids
+# every pattern transformers' clean_up_tokenization removes a space from, each after a word
+CLEANUP_PROBE = "a . b , c ? d ! e n't f 'm g 's h 've i 're j"
 
 
 def byte_decoder() -> dict[str, int]:
@@ -59,8 +63,6 @@ def _byte_table(tokenizer: Any) -> list[bytes] | None:
     decoder = getattr(backend, "decoder", None)
     if decoder is None or type(decoder).__name__ != "ByteLevel":
         return None
-    if getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
     decoders = getattr(tokenizer, "added_tokens_decoder", {})
     special = set(getattr(tokenizer, "all_special_ids", ())) | {i for i, t in decoders.items() if t.special}
     added = {i: t.content for i, t in decoders.items()}
@@ -84,5 +86,6 @@ def _agrees(tokenizer: Any, table: list[bytes]) -> bool:
     n = len(table)
     samples = [[rng.randrange(n)] for _ in range(min(CHECK_SINGLE_IDS, n))]
     samples += [[rng.randrange(n) for _ in range(rng.randrange(1, 48))] for _ in range(CHECK_SEQUENCES)]
+    samples.append(list(tokenizer.encode(CLEANUP_PROBE, add_special_tokens=False)))
     return all(b"".join(table[i] for i in ids).decode("utf-8", "replace")
                == tokenizer.decode(ids, skip_special_tokens=True) for ids in samples)

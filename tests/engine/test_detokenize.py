@@ -1,6 +1,7 @@
 """engine.detokenize: the byte table gives exactly what tokenizer.decode gives, and other tokenizers fall back."""
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
@@ -30,6 +31,25 @@ def test_byte_table_equals_the_tokenizer_on_random_ids_and_split_characters(smol
     for n in range(len(ids) + 1):  # every prefix: characters split across tokens decode alike
         assert detok(ids[:n]) == tok.decode(ids[:n], skip_special_tokens=True), n
     assert detok([len(tok) + 5]) == tok.decode([len(tok) + 5], skip_special_tokens=True)  # outside the table
+
+
+def test_a_cleanup_flag_the_tokenizer_ignores_keeps_the_table_and_one_it_applies_does_not(
+        smollm2_tokenizer: Any) -> None:
+    """A tokenizer config may set clean_up_tokenization_spaces while transformers ignores it for BPE (the table
+    still decodes exactly); where the tokenizer does clean up, the table would keep the spaces it removes."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    text = "Yes , it is . Is it ? I 'm sure it 's fine , is n't it ! we 've we 're"
+    ids = tok.encode(text, add_special_tokens=False)
+    tok.clean_up_tokenization_spaces = True
+    detok = Detokenizer(tok)
+    assert detok.uses_table
+    assert detok(ids) == tok.decode(ids, skip_special_tokens=True) == text
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    cleaned = tok.decode(ids, skip_special_tokens=True)
+    assert cleaned != text  # this tokenizer does clean up
+    detok = Detokenizer(tok)
+    assert not detok.uses_table
+    assert detok(ids) == cleaned
 
 
 def test_other_tokenizers_use_their_own_decode() -> None:
