@@ -10,9 +10,14 @@ class Fingerprinted:
     engine.fingerprint.runtime_fingerprint) was taken once at start-up and set as `_fingerprint`."""
 
     _fingerprint: dict[str, str | int]
+    _system: tuple[dict[str, str | int], str] | None = None  # (the fingerprint it was derived from, the value)
 
     def runtime_fingerprint(self) -> dict[str, str | int]:
         return dict(self._fingerprint)
 
     def system_fingerprint(self) -> str:
-        return system_fingerprint(self._fingerprint)
+        """Derived once per fingerprint (every completion asks for it twice; the fingerprint is replaced, never
+        changed in place)."""
+        if self._system is None or self._system[0] is not self._fingerprint:
+            self._system = (self._fingerprint, system_fingerprint(self._fingerprint))
+        return self._system[1]
