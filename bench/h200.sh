@@ -161,15 +161,15 @@ stage_sampler() {  # the copy on the machine may carry no .git, or an older one:
 }
 
 stage_serve() {  # issues 25 (item 3) and 26: the service through the API beside the engine alone, the synthetic 8B
-  # and SmolLM2 (bench/serve_bench.py; at most 350 + 450 s, so one model a call; each run bounded by its
+  # and SmolLM2 (bench/serve_bench.py; at most 420 + 550 s, so one model a call; each run bounded by its
   # --deadline-s). The copy on the machine has no .git: GIT_COMMIT=$(git rev-parse HEAD) names the tree in the JSON.
   # SERVE_MODELS picks some of "8b smollm2"
   local commit=${GIT_COMMIT:+--git-commit $GIT_COMMIT} models=" ${SERVE_MODELS:-8b smollm2} "
   # (on a machine that has not loaded the GGUF before, SmolLM2's engine takes about a minute to load)
-  [[ $models == *" 8b "* ]] && timeout "${SERVE_8B_TIMEOUT:-350}" python3 bench/serve_bench.py --model synthetic-8b \
-    --deadline-s 330 $commit --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
-  [[ $models == *" smollm2 "* ]] && timeout "${SERVE_SMOL_TIMEOUT:-450}" python3 bench/serve_bench.py --model "$GGUF" \
-    --quick --deadline-s 420 $commit --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 \
+  [[ $models == *" 8b "* ]] && timeout "${SERVE_8B_TIMEOUT:-420}" python3 bench/serve_bench.py --model synthetic-8b \
+    --deadline-s 400 $commit --out "$OUT" --name serve-bench-8b ${SERVE_ARGS:-} 2>&1 | grep -v Warn | tail -30
+  [[ $models == *" smollm2 "* ]] && timeout "${SERVE_SMOL_TIMEOUT:-550}" python3 bench/serve_bench.py --model "$GGUF" \
+    --quick --deadline-s 520 $commit --out "$OUT" --name serve-bench-smollm2 ${SERVE_ARGS:-} 2>&1 \
     | grep -v Warn | tail -30
   return 0
 }
@@ -205,13 +205,14 @@ stage_stream() {  # issue 26: per-token commit times through the engine alone (a
 }
 
 stage_serveprof() {  # SmolLM2 through the API with py-spy sampling the service's processes at saturation (260 s;
-  # the fixed 1024-request set: every process sampled, a set sized to 5 s of the engine core does not fit)
+  # the fixed 1024-request set sent once per mode: every process sampled, a set sized to 5 s of the engine core
+  # does not fit)
   # (py-spy comes with bench/gpu-wheels.sh); the stacks: $OUT/serve-profile.txt (py-spy's raw format, one line
   # per stack and thread with its sample count, idle threads included, so that where a process waits shows;
   # bench/profiling/report.py reads it); in $OUT/serve-profiles.tgz
   # the sampler's prof/<pid>.txt, the processes' CPU (serve-top.txt) and their busy threads (serve-threads.txt)
   ( PYTHONPATH=$PWD/bench/profiling:$PYTHONPATH VERBATIM_PROFILE_DIR=$OUT/prof timeout "${SERVEPROF_TIMEOUT:-260}" \
-      python3 bench/serve_bench.py --model "$GGUF" --quick --saturation-s 0 --deadline-s 240 \
+      python3 bench/serve_bench.py --model "$GGUF" --quick --saturation-s 0 --service-repeats 1 --deadline-s 240 \
       ${GIT_COMMIT:+--git-commit $GIT_COMMIT} --out "$OUT" --name serve-bench-smollm2-profiled \
       > "$OUT/serve-bench-profiled.log" 2>&1 ) &
   local bench=$! i pid

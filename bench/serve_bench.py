@@ -48,7 +48,9 @@ first mode; a point sends rate x --point-s requests (clamped to --min/--max-poin
 gaps; the saturation point sends the saturation set, the same requests the engine alone ran:
 --saturation-requests, grown in steps of 256 until one engine core run of it in the first mode lasts
 --saturation-s (5 s; the faster of two core runs decides), so that admitting the requests and the last ones'
-tail are a small part of the figure (the engine alone's "saturation_sizing" entry records the probe).
+tail are a small part of the figure (the engine alone's "saturation_sizing" entry records the probe). Like the
+engine core's, the service's saturation figure is the median of --service-repeats runs of the set (default
+--core-repeats; "runs_tok_per_s" lists them), so that neither side's figure is a first run on its engine.
 
 Metrics per point (times on the client, CLOCK_MONOTONIC shared by all processes): output tok/s and req/s
 over the span from the first send to the last stream end; TTFT (send to the first chunk with text); the time
@@ -159,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--core-repeats", type=int, default=3,
                    help="runs of the saturation set through the engine core per mode (the median run is the "
                         "figure; all runs' tok/s are recorded)")
+    p.add_argument("--service-repeats", type=int, default=None,
+                   help="runs of the saturation set through the service per mode, like the engine core's (the "
+                        "median run is the figure; all runs' tok/s are recorded; default: --core-repeats)")
     p.add_argument("--rates", type=_floats, default=None, help="request rates (req/s); default: --rate-fractions")
     p.add_argument("--rate-fractions", type=_floats, help="of the engine-alone saturation req/s "
                    f"(default {FULL['rate_fractions']})")
@@ -1143,20 +1148,37 @@ class Run:
         specs = self.mode_specs(pool[:count], share, poisson_offsets(count, rate, a.seed * 1000 + point))
         m = points[key] = {"offered_req_per_s": None if inf else rate}
         with recorded(m, "error"):
-            before = engine_counters(self.service.url)
-            records, cpu = self.send(specs, a.itl_tokens)
-            m.update({**point_metrics(records), **cpu})
-            time.sleep(0.3)  # the engine's last counters reach the workers with its idle step message
-            m["engine"] = engine_delta(before, engine_counters(self.service.url), m["seconds"])
+            runs = [self.measure(specs)]
+            repeats = (a.service_repeats or a.core_repeats) if inf else 1
+            while len(runs) < repeats:  # each further run needs what the last took, and the checks' time
+                need = runs[-1]["seconds"] + 10 + self.verify_reserve_s(count)
+                if self.left() < need:
+                    m["repeats_skipped"] = (f"{repeats - len(runs)} of {repeats} ({self.left():.0f} s left < "
+                                            f"{need:.0f} s)")
+                    break
+                runs.append(self.measure(specs))
+            m.update(sorted(runs, key=lambda r: r["output_tok_per_s"])[len(runs) // 2])
+            if inf:  # like the engine core's figure: the median run, every run's tok/s beside it
+                m["runs_tok_per_s"] = [round(r["output_tok_per_s"], 1) for r in runs]
             self.result["ramp"]["modes"][name]["saturation"] = self.saturation(name)
-            log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s, "
+            log(f"{name} rate {key}: {m['completed']}/{m['requests']} done, {m['output_tok_per_s']:.0f} tok/s"
+                f"{' (median of ' + str(m['runs_tok_per_s']) + ')' if 'runs_tok_per_s' in m else ''}, "
                 f"{m['req_per_s']:.1f} req/s, TTFT p50 {fmt(m['ttft_s']['p50'])} (headers p50 "
                 f"{fmt(m['headers_s']['p50'])} max {fmt(m['headers_s']['max'])}), ITL p50 {fmt(m['itl_s']['p50'])}, "
-                f"service {fmt(cpu['service_cores'], 2)} cores, clients {cpu['client_cores']}, "
+                f"service {fmt(m['service_cores'], 2)} cores, clients {m['client_cores']}, "
                 f"engine busy {fmt(m['engine'].get('busy'), 3)} commands {fmt(m['engine'].get('commands'), 3)} "
                 f"publish {fmt(m['engine'].get('publish'), 3)} idle {fmt(m['engine'].get('idle'), 3)} over "
                 f"{m['engine'].get('steps')} steps")
         self.write()
+
+    def measure(self, specs: list[dict[str, Any]]) -> dict[str, Any]:
+        """One run of a point's requests: its metrics, the CPU used and how the engine's counters moved."""
+        before = engine_counters(self.service.url)
+        records, cpu = self.send(specs, self.args.itl_tokens)
+        m = {**point_metrics(records), **cpu}
+        time.sleep(0.3)  # the engine's last counters reach the workers with its idle step message
+        m["engine"] = engine_delta(before, engine_counters(self.service.url), m["seconds"])
+        return m
 
     def saturation_requests(self) -> int:
         """The saturation set's size the engine-alone run settled on (``size_saturation``)."""

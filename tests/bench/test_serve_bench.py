@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 STREAM_TOKENS = 16
-# warm-up 3 x 2 modes; streams: 2 alone x 2 modes + 2 at once x 2 modes; ramp: (2 at 2 req/s + 3 at once) x 2
-EXPECTED_TRANSCRIPTS = 6 + 8 + 10
+# warm-up 3 x 2 modes; streams: 2 alone x 2 modes + 2 at once x 2 modes; ramp: (2 at 2 req/s + 3 at once in
+# each of 2 runs, --service-repeats following --core-repeats) x 2 modes
+EXPECTED_TRANSCRIPTS = 6 + 8 + 16
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +78,13 @@ def test_every_point_has_the_figures_and_the_service_matches_the_engine(smoke: d
             assert len(point["samples"]["ttft_s"]) == count
         # ignore_eos: the same requests give the same number of tokens through the API and the engine alone
         assert mode["points"]["inf"]["output_tokens"] == engine["core"]["output_tokens"]
-        # the engine core's figure is the median of --core-repeats runs, each recorded
+        # the engine core's figure is the median of --core-repeats runs, each recorded, and so is the service's
+        # saturation figure (--service-repeats, by default as many); a rate point is one run
         runs = engine["core"]["runs_tok_per_s"]
         assert len(runs) == 2 and round(engine["core"]["output_tok_per_s"], 1) in runs
+        runs = mode["points"]["inf"]["runs_tok_per_s"]
+        assert len(runs) == 2 and round(mode["points"]["inf"]["output_tok_per_s"], 1) in runs
+        assert "repeats_skipped" not in mode["points"]["inf"] and "runs_tok_per_s" not in mode["points"]["2"]
         assert mode["saturation"]["ratio_to_engine_core"] > 0 and mode["saturation"]["ratio_to_engine_async"] > 0
         # the engine's counters over each point (the service's /metrics) and each core run (EngineStats)
         for counters in (mode["points"]["inf"]["engine"], mode["points"]["2"]["engine"], engine["core"]["engine"]):
