@@ -25,8 +25,10 @@ serve: setup
 	$(VENV)/bin/verbatim serve
 
 # pytest workers in parallel; the tests of a file share a worker, so its module fixtures (a live server, a
-# reference run) are built once; files go to the workers in the order tests/conftest.py gives (slow ones first)
-PYTEST := $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
+# reference run) are built once; files go to the workers in the order tests/conftest.py gives (slow ones first).
+# One worker per core, so each worker and the processes its tests start (services, engine processes) take one
+# intra-op thread (OMP_NUM_THREADS=1; a test that sets EngineConfig.num_threads still gets its own count).
+PYTEST := OMP_NUM_THREADS=1 $(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder
 test: setup
 	$(PYTEST)
 
