@@ -23,9 +23,9 @@ ENGINE_SETTINGS = ("model", "served_model_name", "device", "tensor_parallel_size
                    "engine_factory")
 SERVICE_SETTINGS = ("host", "port", "workers", "engine_cpus", "log_level", "keep_serving_on_load_error",
                     "deterministic_default", "max_body_bytes", "max_prompt_tokens", "max_tokens_limit", "max_n",
-                    "rate_limit_per_second", "rate_limit_burst", "replay_max_queued", "bootstrap_admin", "redis_url", "key_reload_interval",
-                    "witnesses", "witness_quorum", "witness_interval", "witness_timeout", "api_key_cache_seconds",
-                    "log_check_interval_seconds")
+                    "rate_limit_per_second", "rate_limit_burst", "replay_max_queued", "bootstrap_admin", "redis_url",
+                    "key_reload_interval", "witnesses", "witness_quorum", "witness_interval", "witness_timeout",
+                    "api_key_cache_seconds", "log_check_interval_seconds")
 _DEST = "setting_"
 
 

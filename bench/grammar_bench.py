@@ -243,13 +243,11 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
     """Host time of the processors per decode step of `rows` constrained rows (see the module docstring)."""
     import xgrammar as xgr
 
-    from bench.schema_mix_bench import SCHEMA
-    from engine.grammar import PARALLEL_THREADS, GrammarSpec, GrammarState, fill_masks
+    from engine.grammar import PARALLEL_THREADS, GrammarState, fill_masks
     from engine.processors import Slot, apply_processors
     from engine.sampling import SamplingParams
 
-    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
-    compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
+    spec, compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
     params = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True, grammar=spec)
     prompt = [1, 2, 3]
     logits = torch.zeros((batch, vocab))
@@ -320,16 +318,16 @@ def engine_steps(source: Any, vocab: int, eos: list[int], repeats: int, rows: in
 
 
 def step_rows(source: Any, vocab: int, eos: list[int], rows: int, steps: int, batch: int
-              ) -> tuple[Any, Any, list[list[int]], list[int]]:
-    """engine_steps' rows: SCHEMA compiled for the model, each row's outputs (an instance, then EOS to `steps`), and
-    the logits rows of the `rows` constrained rows among `batch`."""
+              ) -> tuple[Any, Any, Any, list[list[int]], list[int]]:
+    """engine_steps' rows: SCHEMA's spec and its grammar compiled for the model, each row's outputs (an instance,
+    then EOS to `steps`), and the logits rows of the `rows` constrained rows among `batch`."""
     from bench.schema_mix_bench import SCHEMA, spread
     from engine.grammar import GrammarSpec, compile_request_grammar
 
-    compiled, info = compile_request_grammar(GrammarSpec("json_schema", json.dumps(SCHEMA)), source.tokenizer, vocab,
-                                             eos)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMA))
+    compiled, info = compile_request_grammar(spec, source.tokenizer, vocab, eos)
     outputs = [(step_instance(source.tokenizer, j) + [eos[0]] * steps)[:steps] for j in range(rows)]
-    return compiled, info, outputs, sorted(spread(batch, rows / batch, offset=1))
+    return spec, compiled, info, outputs, sorted(spread(batch, rows / batch, offset=1))
 
 
 def grammar_at(rev: str) -> ModuleType:
@@ -351,7 +349,7 @@ def steps_against(source: Any, vocab: int, eos: list[int], rev: str, rows: int, 
     import engine.grammar as here
 
     there = grammar_at(rev)
-    compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
+    _, compiled, info, outputs, at = step_rows(source, vocab, eos, rows, steps, batch)
 
     def walk(module: ModuleType, dvr: bool) -> tuple[float, list[torch.Tensor], list[list[int]]]:
         states = [module.GrammarState(compiled, info, keep_masks=dvr) for _ in range(rows)]

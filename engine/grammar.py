@@ -248,8 +248,7 @@ class GrammarState:
             self._feed(int(outputs[fed]))
         else:
             self._follow(outputs, n)
-        if committed > self.fixed:
-            self._fix(min(committed, n))
+        self._fix(min(committed, n))
         return self.terminated
 
     def kept(self, outputs: Sequence[int], n: int, committed: int = 0) -> np.ndarray | None:
@@ -322,7 +321,7 @@ def fill_masks(requests: list[MaskRequest], bitmask: torch.Tensor) -> None:
     for batch in _rounds(requests):
         matchers, rows, filled = [], [], []
         for state, outputs, n, committed, row in batch:
-            if state.keep_masks and (known := state.kept(outputs, n, committed)) is not None:
+            if (known := state.kept(outputs, n, committed)) is not None:  # none kept unless keep_masks
                 bits[row] = known
             elif state.follow(outputs, n, committed):
                 bits[row] = info.stop_mask
