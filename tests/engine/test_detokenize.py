@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from engine import detokenize
 from engine.detokenize import Detokenizer
 
 
@@ -50,6 +51,18 @@ def test_a_cleanup_flag_the_tokenizer_ignores_keeps_the_table_and_one_it_applies
     detok = Detokenizer(tok)
     assert not detok.uses_table
     assert detok(ids) == cleaned
+
+
+def test_the_cleanup_probe_alone_refuses_a_table_the_tokenizer_cleans_up(smollm2_tokenizer: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no random samples, the check's clean-up text still tells the two tokenizers apart."""
+    monkeypatch.setattr(detokenize, "CHECK_SINGLE_IDS", 0)
+    monkeypatch.setattr(detokenize, "CHECK_SEQUENCES", 0)
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.clean_up_tokenization_spaces = True
+    assert Detokenizer(tok).uses_table
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    assert not Detokenizer(tok).uses_table
 
 
 def test_other_tokenizers_use_their_own_decode() -> None:
